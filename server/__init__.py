@@ -1,0 +1,1 @@
+"""beamline: an OpenAI-compatible inference server with continuous batching."""

@@ -1,0 +1,167 @@
+"""Paged attention for transformers models, registered through transformers' AttentionInterface.
+
+The model is called with the step's tokens packed as one row ([1, T]) and a `StepContext` passed as
+the keyword `beamline_ctx`; transformers hands extra keywords to the attention function unchanged.
+Each layer writes the new keys/values into its slots of the block pool, then every sequence attends
+over its own history read through its block table. Decode rows (one query each) run as one padded
+batch; prefill chunks run one sequence at a time. Masks and gather indices are built once per step
+and shared by all layers. Sliding-window layers (Gemma 3, Mistral) get a windowed mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "beamline_paged"
+
+
+@dataclass
+class SeqSlice:
+    """Where one sequence's new tokens sit in the packed step and what history they see."""
+
+    start: int  # first packed index of this sequence's tokens
+    num_new: int  # tokens computed this step
+    context_len: int  # tokens in cache after this step (history + new)
+    gather: torch.Tensor  # [context_len] flat slot ids of the whole history, in order
+
+
+@dataclass
+class StepContext:
+    slot_mapping: torch.Tensor  # [T] flat slot for every packed token
+    decode: list[SeqSlice]  # sequences with one new token
+    prefill: list[SeqSlice]  # sequences with a chunk of several tokens
+    device: torch.device
+    _cache: dict = field(default_factory=dict)
+
+    def decode_inputs(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed indices [B], gather slots [B, L], mask [B, 1, 1, L]) for the decode batch."""
+        key = ("decode", window)
+        if key not in self._cache:
+            lens = torch.tensor([s.context_len for s in self.decode], device=self.device)
+            width = int(lens.max())
+            gather = torch.zeros(len(self.decode), width, dtype=torch.long, device=self.device)
+            for row, s in enumerate(self.decode):
+                gather[row, : s.context_len] = s.gather
+            cols = torch.arange(width, device=self.device).unsqueeze(0)
+            mask = cols < lens.unsqueeze(1)
+            if window is not None:
+                mask &= cols > (lens - 1 - window).unsqueeze(1)
+            index = torch.tensor([s.start for s in self.decode], device=self.device)
+            self._cache[key] = (index, gather, mask[:, None, None, :])
+        return self._cache[key]
+
+    def prefill_mask(self, s: SeqSlice, window: int | None) -> torch.Tensor:
+        """[1, 1, num_new, context_len] causal (and windowed) mask for one prefill chunk."""
+        key = ("prefill", s.start, window)
+        if key not in self._cache:
+            first = s.context_len - s.num_new
+            q_pos = torch.arange(first, s.context_len, device=self.device).unsqueeze(1)
+            k_pos = torch.arange(s.context_len, device=self.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._cache[key] = mask[None, None]
+        return self._cache[key]
+
+
+class PagedKVCache:
+    """Preallocated key/value pools: per layer, [num_blocks * block_size, kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.block_size = block_size
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
+        if not pairs:
+            return
+        bs = self.block_size
+        src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
+        dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
+        device = self.keys[0].device
+        src, dst = src.to(device), dst.to(device)
+        for pool in (*self.keys, *self.values):
+            pool[dst] = pool[src]
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], boolean mask broadcastable to [B, H, Q, L]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scaling / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def make_paged_attention(cache: PagedKVCache):
+    """Build the attention function bound to one KV cache."""
+
+    def paged_attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,  # [1, H, T, D]
+        key: torch.Tensor,  # [1, Hkv, T, D]
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        beamline_ctx: StepContext | None = None,
+        **_: object,
+    ) -> tuple[torch.Tensor, None]:
+        if beamline_ctx is None:
+            raise RuntimeError("beamline paged attention called without a step context")
+        ctx = beamline_ctx
+        layer = module.layer_idx
+        scaling = module.head_dim**-0.5 if scaling is None else scaling
+        k_pool, v_pool = cache.keys[layer], cache.values[layer]
+        k_pool[ctx.slot_mapping] = key[0].transpose(0, 1).to(k_pool.dtype)
+        v_pool[ctx.slot_mapping] = value[0].transpose(0, 1).to(v_pool.dtype)
+
+        q = query[0].transpose(0, 1)  # [T, H, D]
+        out = torch.empty_like(q)
+        if ctx.decode:
+            index, gather, mask = ctx.decode_inputs(sliding_window)
+            qd = q[index].unsqueeze(2)  # [B, H, 1, D]
+            kd = k_pool[gather].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+            vd = v_pool[gather].permute(0, 2, 1, 3)
+            out[index] = _attend(qd, kd, vd, mask, scaling, softcap).squeeze(2)
+        for s in ctx.prefill:
+            qp = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            kp = k_pool[s.gather].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
+            vp = v_pool[s.gather].permute(1, 0, 2).unsqueeze(0)
+            mask = ctx.prefill_mask(s, sliding_window)
+            out[s.start : s.start + s.num_new] = _attend(qp, kp, vp, mask, scaling, softcap)[0].transpose(0, 1)
+        return out.unsqueeze(0), None
+
+    return paged_attention
