@@ -35,6 +35,7 @@ class EngineStats:
     tokens_generated: int = 0
     max_seqs_in_step: int = 0
     preemptions: int = 0
+    peak_blocks_used: int = 0
     step_seqs_histogram: dict[int, int] = field(default_factory=dict)
 
 
@@ -118,6 +119,8 @@ class Engine:
         self._drain_inbox()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
+        used = self.pool.num_blocks - self.pool.num_free
+        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
         if not plan.items:
             return False
         now = time.monotonic()

@@ -16,9 +16,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from server.engine.chat_templates import add_missing_chat_template
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
+CONVERSION_VERSION = 2  # bump when convert_gguf changes what it writes
 
 
 class ModelNotFound(ValueError):
@@ -55,7 +58,7 @@ def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
             f"model {model!r} is neither a local model directory nor a .gguf file "
             "(beamline never downloads weights)"
         )
-    target = (cache_dir or default_cache_dir()) / f"{gguf.stem}-{_file_key(gguf)}"
+    target = (cache_dir or default_cache_dir()) / f"{gguf.stem}-{_file_key(gguf)}-v{CONVERSION_VERSION}"
     if not (target / "config.json").is_file():
         convert_gguf(gguf, target)
     return target
@@ -85,6 +88,8 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        if add_missing_chat_template(tokenizer, model.generation_config):
+            log.info("the GGUF file has no chat template; using Gemma's turn template")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         bar.update()

@@ -13,7 +13,13 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from server.engine.attention import ATTENTION_NAME, PagedKVCache, SeqSlice, StepContext, make_paged_attention
+from server.engine.attention import (
+    ATTENTION_NAME,
+    PagedKVCache,
+    SeqSlice,
+    StepContext,
+    make_paged_attention,
+)
 from server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)

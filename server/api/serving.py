@@ -1,0 +1,321 @@
+"""Turns validated API requests into engine requests and engine outputs into OpenAI bodies/chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from decoding import DecodingParams
+from server.api.errors import APIError, bad_request
+from server.api.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    SamplingFields,
+    Usage,
+    new_id,
+)
+from server.config import ServerConfig
+from server.engine.async_engine import AsyncEngine
+from server.engine.request import RequestOutput
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    config: ServerConfig
+
+
+# ---- request -> engine inputs ------------------------------------------------------------------
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise APIError(
+            404, f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
+            param="model", code="model_not_found",
+        )
+
+
+def tokenize_prompt(ctx: ServingContext, prompt: str | list[int], param: str) -> list[int]:
+    if isinstance(prompt, str):
+        ids = ctx.tokenizer(prompt, add_special_tokens=True).input_ids
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if t >= ctx.vocab_size]
+        if bad:
+            raise bad_request(
+                f"token id {bad[0]} is out of the vocabulary (size {ctx.vocab_size})", param, "invalid_token"
+            )
+    if not ids or (isinstance(prompt, str) and not prompt):
+        raise bad_request("prompt must not be empty", param, "empty_prompt")
+    return ids
+
+
+def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in req.messages]
+    if ctx.tokenizer.chat_template is None:
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    try:
+        ids = ctx.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as exc:  # template errors (e.g. role order) are the client's to fix
+        raise bad_request(f"messages cannot be formatted by the chat template: {exc}", "messages") from exc
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def decoding_params(
+    ctx: ServingContext, req: SamplingFields, prompt_len: int, max_tokens: int | None
+) -> DecodingParams:
+    """Build DecodingParams; limits that depend on the server (context, caps) are checked here."""
+    if req.n > 1:
+        raise bad_request("n > 1 is not supported yet", "n", "unsupported")
+    stops = req.stop_list()
+    if len(stops) > ctx.config.max_stop_sequences:
+        raise bad_request(
+            f"at most {ctx.config.max_stop_sequences} stop sequences are allowed", "stop", "too_many_stop"
+        )
+    room = ctx.max_model_len - prompt_len
+    if max_tokens is None:
+        max_tokens = room
+    if room < 1 or max_tokens > room:
+        raise bad_request(
+            f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens and max_tokens asks for {max_tokens} more",
+            "max_tokens" if room >= 1 else "prompt",
+            "context_length_exceeded",
+        )
+    return DecodingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=stops,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        n=req.n,
+    )
+
+
+@dataclass
+class Job:
+    """One engine request: a prompt of the API request and the choice offset of its outputs."""
+
+    prompt_ids: list[int]
+    params: DecodingParams
+    choice_offset: int
+
+
+def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
+    check_model(ctx, req.model)
+    if req.echo:
+        raise bad_request("echo is not supported yet", "echo", "unsupported")
+    if req.logprobs is not None:
+        raise bad_request("logprobs is not supported yet", "logprobs", "unsupported")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of > 1 is not supported yet", "best_of", "unsupported")
+    prompts = req.prompts()
+    if not prompts:
+        raise bad_request("prompt must not be empty", "prompt", "empty_prompt")
+    if len(prompts) > ctx.config.max_prompts_per_request:
+        raise bad_request(
+            f"at most {ctx.config.max_prompts_per_request} prompts per request", "prompt", "too_many_prompts"
+        )
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        ids = tokenize_prompt(ctx, prompt, "prompt")
+        params = decoding_params(ctx, req, len(ids), req.max_tokens or 16)
+        jobs.append(Job(ids, params, i * req.n))
+    return jobs
+
+
+def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
+    check_model(ctx, req.model)
+    if req.logprobs or req.top_logprobs:
+        raise bad_request("logprobs is not supported yet", "logprobs", "unsupported")
+    ids = chat_prompt_ids(ctx, req)
+    params = decoding_params(ctx, req, len(ids), req.max_completion_tokens or req.max_tokens)
+    return Job(ids, params, 0)
+
+
+# ---- running jobs --------------------------------------------------------------------------------
+async def run_jobs(ctx: ServingContext, request_id: str, jobs: list[Job]) -> AsyncIterator[tuple[Job, RequestOutput]]:
+    """Run every job concurrently in the engine and yield (job, output) as outputs arrive."""
+    if len(jobs) == 1:
+        async with aclosing(ctx.engine.generate(request_id, jobs[0].prompt_ids, jobs[0].params)) as outs:
+            async for out in outs:
+                yield jobs[0], out
+        return
+    queue: asyncio.Queue[tuple[Job, RequestOutput] | None] = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async with aclosing(ctx.engine.generate(f"{request_id}-{i}", job.prompt_ids, job.params)) as outs:
+                async for out in outs:
+                    await queue.put((job, out))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        pending = len(tasks)
+        while pending:
+            item = await queue.get()
+            if item is None:
+                pending -= 1
+            else:
+                yield item
+        for t in tasks:
+            t.result()  # surface a failure of the engine call itself
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _raise_if_error(out: RequestOutput) -> None:
+    if out.error is not None:
+        raise APIError(500, out.error, code="engine_error")
+
+
+async def collect(ctx: ServingContext, request_id: str, jobs: list[Job]) -> tuple[dict[int, list], Usage]:
+    """Run to completion: {choice index: [text, finish_reason]} and usage."""
+    choices: dict[int, list] = {}
+    completion_tokens = 0
+    async with aclosing(run_jobs(ctx, request_id, jobs)) as outputs:
+        async for job, out in outputs:
+            _raise_if_error(out)
+            entry = choices.setdefault(job.choice_offset + out.index, ["", None])
+            entry[0] += out.text
+            if out.finished:
+                entry[1] = out.finish_reason
+                completion_tokens += out.completion_tokens
+    return choices, _usage(jobs, completion_tokens)
+
+
+def _usage(jobs: list[Job], completion_tokens: int) -> Usage:
+    prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+async def completion_response(ctx: ServingContext, request_id: str, jobs: list[Job]) -> CompletionResponse:
+    choices, usage = await collect(ctx, request_id, jobs)
+    return CompletionResponse(
+        id=request_id,
+        model=ctx.model_name,
+        choices=[CompletionChoice(index=i, text=t, finish_reason=f) for i, (t, f) in sorted(choices.items())],
+        usage=usage,
+    )
+
+
+async def chat_response(ctx: ServingContext, request_id: str, job: Job) -> ChatCompletionResponse:
+    choices, usage = await collect(ctx, request_id, [job])
+    return ChatCompletionResponse(
+        id=request_id,
+        model=ctx.model_name,
+        choices=[
+            ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=f)
+            for i, (t, f) in sorted(choices.items())
+        ],
+        usage=usage,
+    )
+
+
+# ---- server-sent events ----------------------------------------------------------------------------
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def stream_events(
+    ctx: ServingContext,
+    request_id: str,
+    jobs: list[Job],
+    include_usage: bool,
+    make_chunk: Callable[[int, RequestOutput | None], dict],
+    first_chunks: Sequence[dict] = (),
+) -> AsyncIterator[str]:
+    """SSE stream: one chunk per output with content, usage last when asked, then [DONE]."""
+    for chunk in first_chunks:
+        yield sse(chunk)
+    completion_tokens = 0
+    failed = False
+    async with aclosing(run_jobs(ctx, request_id, jobs)) as outputs:
+        async for job, out in outputs:
+            if out.error is not None:
+                yield sse(APIError(500, out.error, code="engine_error").body())
+                failed = True
+                break
+            if out.finished:
+                completion_tokens += out.completion_tokens
+            if out.text or out.finished:
+                chunk = make_chunk(job.choice_offset + out.index, out)
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+    if include_usage and not failed:
+        final = make_chunk(0, None)
+        final["usage"] = _usage(jobs, completion_tokens).model_dump()
+        yield sse(final)
+    yield sse("[DONE]")
+
+
+def completion_chunk_maker(ctx: ServingContext, request_id: str) -> Callable[[int, RequestOutput | None], dict]:
+    created = int(time.time())
+
+    def make(index: int, out: RequestOutput | None) -> dict:
+        choices = [] if out is None else [
+            CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason).model_dump()
+        ]
+        return {"id": request_id, "object": "text_completion", "created": created,
+                "model": ctx.model_name, "choices": choices}
+
+    return make
+
+
+def chat_chunk_maker(ctx: ServingContext, request_id: str) -> tuple[Callable[[int, RequestOutput | None], dict], list[dict]]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice]) -> dict:
+        body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
+                                   choices=choices).model_dump(exclude={"usage"})
+        for choice in body["choices"]:  # OpenAI sends only the delta fields that are set
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        return body
+
+    def make(index: int, out: RequestOutput | None) -> dict:
+        if out is None:
+            return chunk([])
+        delta = ChatDelta(content=out.text) if out.text else ChatDelta()
+        return chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=out.finish_reason)])
+
+    first = [chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])]
+    return make, first
+
+
+def new_request_id(kind: str) -> str:
+    return new_id("chatcmpl" if kind == "chat" else "cmpl")

@@ -1,0 +1,52 @@
+"""Builds the serving stack from a ServerConfig: model directory, runner, engine, engine thread."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from transformers import AutoTokenizer
+
+from server.api.serving import ServingContext
+from server.config import ServerConfig
+from server.engine.async_engine import AsyncEngine
+from server.engine.engine import Engine
+from server.engine.model_loader import resolve_model_dir, served_model_name
+from server.engine.model_runner import ModelRunner, pick_device, pick_dtype
+
+log = logging.getLogger(__name__)
+
+
+def build_serving_context(config: ServerConfig) -> ServingContext:
+    """Load everything and start the engine loop. Never touches the network."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_dir = resolve_model_dir(config.model, config.cache_dir)
+    device = pick_device(config.device)
+    runner = ModelRunner(
+        model_dir,
+        device=device,
+        dtype=pick_dtype(config.dtype, device),
+        block_size=config.block_size,
+        kv_cache_bytes=config.kv_cache_memory,
+        num_blocks=config.num_kv_blocks,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    engine = Engine(
+        runner,
+        tokenizer,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
+    )
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    name = config.served_model_name or served_model_name(config.model)
+    log.info("serving %s from %s (max_model_len %d)", name, model_dir, engine.max_model_len)
+    return ServingContext(
+        engine=async_engine,
+        tokenizer=tokenizer,
+        model_name=name,
+        max_model_len=engine.max_model_len,
+        vocab_size=runner.vocab_size,
+        config=config,
+    )

@@ -1,0 +1,66 @@
+"""`beamline serve`: start the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from server.config import ConfigError, ServerConfig, load_config
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="YAML config file (see configs/default.yaml)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--model", help="HF model directory or .gguf file (default: Gemma 3 270M)")
+    p.add_argument("--served-model-name", help="model id reported by the API")
+    p.add_argument("--cache-dir", type=Path, help="where converted GGUF models are kept")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
+    p.add_argument("--kv-cache-memory", help="KV pool size, e.g. 1GiB")
+    p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides memory)")
+    p.add_argument("--max-num-seqs", type=int, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
+    p.add_argument("--max-model-len", type=int, help="context length cap")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def serve(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "func")}
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"beamline: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_server(config)
+    return 0
+
+
+def run_server(config: ServerConfig) -> None:
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.bootstrap import build_serving_context
+
+    app = create_app(loader=lambda: build_serving_context(config))
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="beamline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_serve_args(serve_parser)
+    serve_parser.set_defaults(func=serve)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

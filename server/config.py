@@ -1,0 +1,80 @@
+"""Server configuration: YAML file (configs/*.yaml) overridden by CLI flags, validated at start-up.
+
+A wrong key or value stops start-up with a message naming it (pydantic, extra keys forbidden).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(value: int | str) -> int:
+    """'1GiB', '512MiB', '2G' or a plain byte count -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB or a byte count)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    model: str | None = Field(None, description="HF model directory or .gguf file; empty = default")
+    served_model_name: str | None = None
+    cache_dir: Path | None = None
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_memory: int = Field(1024**3, gt=0, description="bytes for the KV pool, e.g. 1GiB")
+    num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory")
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    max_n: int = Field(16, ge=1)
+    max_stop_sequences: int = Field(16, ge=0)
+    max_prompts_per_request: int = Field(16, ge=1)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
+    """Read `path` (YAML mapping) and apply non-None `overrides`; raise ConfigError naming the key."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping of keys to values")
+        data.update(loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ServerConfig(**data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from exc

@@ -1,0 +1,80 @@
+"""Runs the engine loop in its own thread and gives each request an async stream of outputs.
+
+The model step never runs on the asyncio event loop, so HTTP stays responsive during a step.
+Outputs cross back through `loop.call_soon_threadsafe` into a per-request asyncio.Queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from decoding import DecodingParams
+from server.engine.engine import Engine
+from server.engine.request import EngineRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="beamline-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.step():
+                    self.engine.wait_for_work(timeout=0.1)
+        except BaseException as exc:  # the loop itself broke: fail everyone, report unhealthy
+            log.exception("engine loop died")
+            self.error = exc
+            self.engine.fail_all(f"engine loop died: {exc}")
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.engine.abort("")  # wakes the loop
+        self._thread.join(timeout)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: DecodingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its outputs until every choice has finished.
+
+        Leaving the iteration early (client gone, task cancelled) aborts the request, which frees
+        its KV blocks at the engine's next step.
+        """
+        if not self.alive:
+            raise EngineDead("engine is not running")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def emit(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        self.engine.submit(EngineRequest(request_id, prompt_ids, params, emit))
+        remaining = params.n
+        try:
+            while remaining:
+                out = await outputs.get()
+                if out.finished:
+                    remaining -= 1
+                yield out
+        finally:
+            if remaining:
+                self.engine.abort(request_id)

@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny models built once per session, engines and ASGI apps over them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from server.api.app import create_app
+from server.api.serving import ServingContext
+from server.config import ServerConfig
+from server.engine.async_engine import AsyncEngine
+from server.engine.engine import Engine
+from server.engine.model_runner import ModelRunner
+from tests.tiny_models import build_tiny_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: build_tiny_model(root / arch, arch) for arch in ("llama", "gemma3", "qwen2", "mistral")}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_dirs: dict[str, Path]) -> Path:
+    return tiny_model_dirs["llama"]
+
+
+def make_engine(
+    model_dir: Path,
+    *,
+    num_blocks: int = 256,
+    block_size: int = 4,
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int = 64,
+) -> Engine:
+    runner = ModelRunner(
+        model_dir, device=torch.device("cpu"), dtype=torch.float32,
+        block_size=block_size, num_blocks=num_blocks,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return Engine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def hf_reference(model_dir: Path) -> tuple[torch.nn.Module, object]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def serving_context(engine: Engine, name: str = "tiny", **config: object) -> ServingContext:
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    return ServingContext(
+        engine=async_engine,
+        tokenizer=engine.tokenizer,
+        model_name=name,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.runner.vocab_size,
+        config=ServerConfig(**config),
+    )
+
+
+@pytest.fixture
+def tiny_ctx(llama_dir: Path) -> Iterator[ServingContext]:
+    ctx = serving_context(make_engine(llama_dir))
+    yield ctx
+    ctx.engine.shutdown()
+
+
+@pytest.fixture
+async def client(tiny_ctx: ServingContext) -> httpx.AsyncClient:
+    app = create_app(ctx=tiny_ctx)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        yield c

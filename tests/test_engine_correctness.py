@@ -1,0 +1,83 @@
+"""The engine against transformers itself: logits of mixed batches and greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoding import DecodingParams
+from server.engine.sequence import Sequence
+from tests.conftest import hf_reference, make_engine
+from tests.engine_driver import generate
+
+ARCHS = ["llama", "gemma3", "qwen2", "mistral"]
+PROMPTS = [
+    "Hello world! How are you today? I am fine, thank you.",
+    "The quick brown fox",
+    "Once upon a time there was a little model that served many clients at once.",
+    "A journey of a thousand miles",
+    "Beam search keeps the best hypotheses",
+    "Numbers: 0 1 2 3",
+    "To be or not to be, that is the question.",
+    "café",
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_of_a_mixed_prefill_and_decode_batch_match_transformers(
+    arch: str, tiny_model_dirs: dict[str, Path]
+) -> None:
+    engine = make_engine(tiny_model_dirs[arch], block_size=4, max_num_batched_tokens=12)
+    ref, tok = hf_reference(tiny_model_dirs[arch])
+    seqs = [Sequence(None, tok(p).input_ids, 0) for p in PROMPTS[:3]]  # type: ignore[arg-type]
+
+    def reference_logits(seq: Sequence) -> torch.Tensor:
+        with torch.no_grad():
+            return ref(torch.tensor([seq.token_ids])).logits[0, -1]
+
+    checked, mixed = 0, False
+    engine.scheduler.add(seqs[0])
+    for step in range(12):  # the later prompts join while earlier ones decode, in chunks of <= 12
+        if step in (2, 4):
+            engine.scheduler.add(seqs[step // 2])
+        plan = engine.scheduler.schedule()
+        logits = engine.runner.execute(plan.items, plan.copies)
+        sampled = [i for i in plan.items if i.samples]
+        for item in plan.items:
+            item.seq.num_computed += item.num_new
+        for row, item in enumerate(sampled):
+            torch.testing.assert_close(logits[row], reference_logits(item.seq), atol=1e-4, rtol=1e-4)
+            item.seq.token_ids.append(int(logits[row].argmax()))
+            checked += 1
+        if len(plan.items) > 1 and any(i.num_new > 1 for i in plan.items):
+            mixed = True
+    assert mixed and checked >= 20
+    assert max(len(s.token_ids) for s in seqs) > 24  # past the sliding windows of the tiny models
+
+
+def hf_greedy(model_dir: Path, prompt: str, max_new_tokens: int) -> list[int]:
+    ref, tok = hf_reference(model_dir)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = ref.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_equal_hf_generate_alone_and_when_8_run_concurrently(
+    arch: str, tiny_model_dirs: dict[str, Path]
+) -> None:
+    model_dir = tiny_model_dirs[arch]
+    expected = [hf_greedy(model_dir, p, 20) for p in PROMPTS]
+    params = DecodingParams(max_tokens=20, temperature=0)
+    engine = make_engine(model_dir, max_num_batched_tokens=16)
+    tok = engine.tokenizer
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    alone = [generate(engine, [p], params)[0].token_ids for p in prompts[:3]]
+    assert alone == expected[:3]
+    together = generate(engine, prompts, params)
+    assert [r.token_ids for r in together] == expected
+    assert engine.stats.max_seqs_in_step == 8
+    assert engine.pool.num_free == engine.pool.num_blocks
