@@ -13,6 +13,7 @@ from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
 from server.engine.model_loader import resolve_model_dir, served_model_name
 from server.engine.model_runner import ModelRunner, pick_device, pick_dtype
+from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +32,18 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         num_blocks=config.num_kv_blocks,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    name = config.served_model_name or served_model_name(config.model)
+    metrics = Metrics(name)
     engine = Engine(
         runner,
         tokenizer,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
+        metrics=metrics,
     )
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    name = config.served_model_name or served_model_name(config.model)
     log.info("serving %s from %s (max_model_len %d)", name, model_dir, engine.max_model_len)
     return ServingContext(
         engine=async_engine,
@@ -49,4 +52,5 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         max_model_len=engine.max_model_len,
         vocab_size=runner.vocab_size,
         config=config,
+        metrics=metrics,
     )

@@ -16,6 +16,7 @@ from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
 from server.engine.model_runner import ModelRunner
+from server.metrics import Metrics
 from tests.tiny_models import build_tiny_model
 
 torch.set_num_threads(2)
@@ -54,6 +55,7 @@ def hf_reference(model_dir: Path) -> tuple[torch.nn.Module, object]:
 
 
 def serving_context(engine: Engine, name: str = "tiny", **config: object) -> ServingContext:
+    engine.metrics = Metrics(name)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     return ServingContext(
@@ -63,6 +65,7 @@ def serving_context(engine: Engine, name: str = "tiny", **config: object) -> Ser
         max_model_len=engine.max_model_len,
         vocab_size=engine.runner.vocab_size,
         config=ServerConfig(**config),
+        metrics=engine.metrics,
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.api import serving
 from server.api.errors import APIError, install_error_handlers
@@ -29,6 +29,7 @@ class ServingState:
     def __init__(self) -> None:
         self.ctx: ServingContext | None = None
         self.load_error: BaseException | None = None
+        self.draining = False
 
     def require(self) -> ServingContext:
         if self.ctx is None:
@@ -64,12 +65,27 @@ def create_app(
 
     app = FastAPI(title="beamline", version="0.1.0", lifespan=lifespan)
     app.state.serving = state
-    install_error_handlers(app)
+    install_error_handlers(app, on_client_error=lambda: _count_validation_failure(state))
 
     @app.get("/health")
     async def health() -> JSONResponse:
         state.require()
         return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        state.require()
+        if state.draining:
+            raise APIError(503, "server is draining", code="draining")
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        c = state.require()
+        if c.metrics is None:
+            raise APIError(404, "metrics are not enabled")
+        body, content_type = c.metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -120,3 +136,8 @@ def create_app(
         return await serving.chat_response(c, request_id, job)
 
     return app
+
+
+def _count_validation_failure(state: ServingState) -> None:
+    if state.ctx is not None and state.ctx.metrics is not None:
+        state.ctx.metrics.record_request_failure(reason="validation")

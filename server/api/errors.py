@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -62,17 +63,23 @@ def _loc_to_param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_client_error: Callable[[], None] = lambda: None) -> None:
+    """Map every exception to the OpenAI error shape; `on_client_error` counts rejected requests."""
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        if 400 <= exc.status < 500 and exc.status != 429:
+            on_client_error()
         return exc.response()
 
     @app.exception_handler(DecodingParamsError)
     async def _params_error(_: Request, exc: DecodingParamsError) -> JSONResponse:
+        on_client_error()
         return bad_request(exc.message, param=exc.field, code="invalid_value").response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        on_client_error()
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
         if first.get("type") == "json_invalid":

@@ -31,6 +31,7 @@ from server.api.protocol import (
 from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.request import RequestOutput
+from server.metrics import Metrics
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     config: ServerConfig
+    metrics: Metrics | None = None
 
 
 # ---- request -> engine inputs ------------------------------------------------------------------

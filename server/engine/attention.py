@@ -145,21 +145,23 @@ def make_paged_attention(cache: PagedKVCache):
         layer = module.layer_idx
         scaling = module.head_dim**-0.5 if scaling is None else scaling
         k_pool, v_pool = cache.keys[layer], cache.values[layer]
-        k_pool[ctx.slot_mapping] = key[0].transpose(0, 1).to(k_pool.dtype)
-        v_pool[ctx.slot_mapping] = value[0].transpose(0, 1).to(v_pool.dtype)
+        # index_copy_/index_select: several times faster on CPU than advanced-index assignment.
+        k_pool.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype))
+        v_pool.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))
 
         q = query[0].transpose(0, 1)  # [T, H, D]
         out = torch.empty_like(q)
         if ctx.decode:
             index, gather, mask = ctx.decode_inputs(sliding_window)
-            qd = q[index].unsqueeze(2)  # [B, H, 1, D]
-            kd = k_pool[gather].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-            vd = v_pool[gather].permute(0, 2, 1, 3)
-            out[index] = _attend(qd, kd, vd, mask, scaling, softcap).squeeze(2)
+            qd = q.index_select(0, index).unsqueeze(2)  # [B, H, 1, D]
+            shape = (*gather.shape, *k_pool.shape[1:])
+            kd = k_pool.index_select(0, gather.view(-1)).view(shape).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+            vd = v_pool.index_select(0, gather.view(-1)).view(shape).permute(0, 2, 1, 3)
+            out.index_copy_(0, index, _attend(qd, kd, vd, mask, scaling, softcap).squeeze(2))
         for s in ctx.prefill:
             qp = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            kp = k_pool[s.gather].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
-            vp = v_pool[s.gather].permute(1, 0, 2).unsqueeze(0)
+            kp = k_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
+            vp = v_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)
             mask = ctx.prefill_mask(s, sliding_window)
             out[s.start : s.start + s.num_new] = _attend(qp, kp, vp, mask, scaling, softcap)[0].transpose(0, 1)
         return out.unsqueeze(0), None

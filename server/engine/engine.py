@@ -22,8 +22,9 @@ from server.engine.block_pool import BlockPool
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.model_runner import ModelRunner, WorkItem
 from server.engine.request import EngineRequest, RequestOutput, SequenceText
-from server.engine.scheduler import Scheduler
+from server.engine.scheduler import Scheduler, StepPlan
 from server.engine.sequence import Sequence
+from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,10 @@ class Engine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.runner = runner
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens)
@@ -118,9 +121,7 @@ class Engine:
         """Run one engine iteration; False when there was nothing to do."""
         self._drain_inbox()
         plan = self.scheduler.schedule()
-        self.stats.preemptions += len(plan.preempted)
-        used = self.pool.num_blocks - self.pool.num_free
-        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
+        self._record_schedule(plan)
         if not plan.items:
             return False
         now = time.monotonic()
@@ -149,9 +150,7 @@ class Engine:
         tokens = sample_next_tokens(logits, tensors, [r.generator for r in requests]).tolist()
         now = time.monotonic()
         for item, token in zip(sampling, tokens):
-            req = item.seq.request
-            req.first_token_time = req.first_token_time or now
-            req.last_token_time = now
+            self._record_token_time(item.seq.request, now)
             self._append_token(item.seq, token)
         self.stats.tokens_generated += len(tokens)
 
@@ -201,14 +200,15 @@ class Engine:
         )
 
     def _retire(self, seq: Sequence, text: str, error: str | None = None) -> None:
-        """Finish `seq`: free its blocks now and send its last delta."""
+        """Finish `seq`: free its blocks now, record the request if it is done, send the last delta."""
         self.scheduler.remove(seq)
         self._texts.pop(seq.seq_id, None)
-        last = seq.token_ids[-1:] if seq.num_output and seq.finish_reason not in ("abort", "error") else []
-        self._emit(seq, text, last, error)
         req = seq.request
         if all(s.finished for s in req.seqs):
             self._requests.pop(req.request_id, None)
+            self._record_request_end(req, seq.finish_reason)  # before the client can see the end
+        last = seq.token_ids[-1:] if seq.num_output and seq.finish_reason not in ("abort", "error") else []
+        self._emit(seq, text, last, error)
 
     def _fail(self, requests: set[EngineRequest], message: str) -> None:
         for req in requests:
@@ -217,12 +217,60 @@ class Engine:
                     seq.finish_reason = "error"
                     self._retire(seq, text="", error=message)
 
+    # ---- statistics and metrics ------------------------------------------------------------------
+    def _record_schedule(self, plan: StepPlan) -> None:
+        self.stats.preemptions += len(plan.preempted)
+        used = self.pool.num_blocks - self.pool.num_free
+        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
+        if self.metrics is not None:
+            if plan.preempted:
+                self.metrics.record_preemptions(len(plan.preempted))
+            self.metrics.set_scheduler_state(
+                running=self.num_running, waiting=self.num_waiting, kv_cache_usage=self.pool.usage
+            )
+
     def _record_step(self, items: list[WorkItem]) -> None:
         s = self.stats
+        num_tokens = sum(i.num_new for i in items)
         s.steps += 1
-        s.tokens_computed += sum(i.num_new for i in items)
+        s.tokens_computed += num_tokens
         s.max_seqs_in_step = max(s.max_seqs_in_step, len(items))
         s.step_seqs_histogram[len(items)] = s.step_seqs_histogram.get(len(items), 0) + 1
+        if self.metrics is not None:
+            self.metrics.observe_step(num_tokens=num_tokens, batch_size=len(items))
+
+    def _record_token_time(self, req: EngineRequest, now: float) -> None:
+        if self.metrics is not None:
+            if req.first_token_time is None:
+                self.metrics.record_first_token(now - req.arrival_time)
+            else:
+                self.metrics.record_inter_token(now - req.last_token_time)
+        req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
+
+    def _record_request_end(self, req: EngineRequest, reason: str | None) -> None:
+        if self.metrics is None:
+            return
+        strategy = req.params.strategy
+        prompt_tokens = len(req.prompt_ids)
+        generated = sum(s.num_output for s in req.seqs)
+        if reason in ("stop", "length"):
+            now = time.monotonic()
+            self.metrics.record_request_success(
+                strategy=strategy,
+                finished_reason=reason,
+                prompt_tokens=prompt_tokens,
+                generation_tokens=generated,
+                queue_time_s=(req.first_scheduled_time or now) - req.arrival_time,
+                e2e_s=now - req.arrival_time,
+            )
+        else:
+            self.metrics.record_request_failure(
+                reason="aborted" if reason == "abort" else "internal",
+                strategy=strategy,
+                prompt_tokens=prompt_tokens,
+                generation_tokens=generated,
+            )
 
     def fail_all(self, message: str) -> None:
         """Fail every request in the engine (used when the loop itself must stop)."""

@@ -1,0 +1,166 @@
+"""Prometheus metrics of one engine, named like vLLM's so that its dashboards translate.
+
+Every metric is `beamline:<vLLM name>` with a `model_name` label. Each `Metrics` owns its own
+`CollectorRegistry` (no process-global state), so tests and several engines in one process never
+collide. Label values are checked against closed sets: an unbounded label would make Prometheus
+grow a new series for every typo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+STRATEGIES = ("greedy", "sample", "beam", "group_beam", "beam_sample", "best_of")
+FAILURE_REASONS = ("validation", "aborted", "overloaded", "internal")
+FINISHED_REASONS = ("stop", "length")
+UNKNOWN_STRATEGY = "unknown"  # a failure before the request was parsed
+
+# 1 ms (a CPU decode step of a tiny model) up to 10 min (a long beam search behind a queue).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))  # 1 .. 32768 tokens
+
+PREFIX = "beamline:"
+
+
+def _check(value: str, allowed: Sequence[str], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+
+
+class Metrics:
+    """All metrics of one served model; the engine calls the `record_*`/`observe_*` methods."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        m = (model_name,)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(PREFIX + name, doc, ("model_name", *labels), registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, ("model_name",), registry=self.registry).labels(*m)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, ("model_name",), buckets=buckets, registry=self.registry
+            ).labels(*m)
+
+        self._running = gauge("num_requests_running", "Requests in the running batch.")
+        self._waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self._kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self._batch_size = gauge("batch_size", "Sequences in the last engine step.")
+        self._iteration_tokens = histogram(
+            "iteration_tokens", "Tokens processed per engine step.", TOKEN_BUCKETS
+        )
+        self._preemptions = counter("num_preemptions", "Sequences preempted.").labels(*m)
+        self._ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS
+        )
+        self._itl = histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens.", LATENCY_BUCKETS
+        )
+        self._e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS
+        )
+        self._queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
+        )
+        self._request_prompt = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS
+        )
+        self._request_generation = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS
+        )
+        self._prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.").labels(*m)
+        self._generation_tokens = counter("generation_tokens", "Tokens generated.").labels(*m)
+        self._success = counter(
+            "request_success", "Finished requests.", "finished_reason", "strategy"
+        )
+        self._failure = counter("request_failure", "Failed requests.", "reason", "strategy")
+        self._prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(*m)
+        self._prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        ).labels(*m)
+        # Expose every label combination at 0 from the start, so rate() sees the first event.
+        for strategy in STRATEGIES:
+            for finished in FINISHED_REASONS:
+                self._success.labels(model_name, finished, strategy)
+        for strategy in (*STRATEGIES, UNKNOWN_STRATEGY):
+            for reason in FAILURE_REASONS:
+                self._failure.labels(model_name, reason, strategy)
+
+    def set_scheduler_state(self, *, running: int, waiting: int, kv_cache_usage: float) -> None:
+        if not 0.0 <= kv_cache_usage <= 1.0:
+            raise ValueError(f"kv_cache_usage must be a fraction in [0, 1], got {kv_cache_usage}")
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._kv_usage.set(kv_cache_usage)
+
+    def observe_step(self, *, num_tokens: int, batch_size: int) -> None:
+        self._iteration_tokens.observe(num_tokens)
+        self._batch_size.set(batch_size)
+
+    def record_preemptions(self, n: int = 1) -> None:
+        self._preemptions.inc(n)
+
+    def record_first_token(self, ttft_s: float) -> None:
+        self._ttft.observe(ttft_s)
+
+    def record_inter_token(self, itl_s: float) -> None:
+        self._itl.observe(itl_s)
+
+    def record_request_success(
+        self,
+        *,
+        strategy: str,
+        finished_reason: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        queue_time_s: float,
+        e2e_s: float,
+    ) -> None:
+        _check(strategy, STRATEGIES, "strategy")
+        _check(finished_reason, FINISHED_REASONS, "finished_reason")
+        self._success.labels(self.model_name, finished_reason, strategy).inc()
+        self._add_tokens(prompt_tokens, generation_tokens)
+        self._request_prompt.observe(prompt_tokens)
+        self._request_generation.observe(generation_tokens)
+        self._queue_time.observe(queue_time_s)
+        self._e2e.observe(e2e_s)
+
+    def record_request_failure(
+        self,
+        *,
+        reason: str,
+        strategy: str = UNKNOWN_STRATEGY,
+        prompt_tokens: int = 0,
+        generation_tokens: int = 0,
+    ) -> None:
+        """Count a failed request; the tokens it already cost still count as work done."""
+        _check(reason, FAILURE_REASONS, "failure reason")
+        _check(strategy, (*STRATEGIES, UNKNOWN_STRATEGY), "strategy")
+        self._failure.labels(self.model_name, reason, strategy).inc()
+        self._add_tokens(prompt_tokens, generation_tokens)
+
+    def record_prefix_cache(self, *, queries: int, hits: int) -> None:
+        if not 0 <= hits <= queries:
+            raise ValueError(f"prefix cache hits ({hits}) must be within [0, queries={queries}]")
+        self._prefix_queries.inc(queries)
+        self._prefix_hits.inc(hits)
+
+    def render(self) -> tuple[bytes, str]:
+        """Body and content type of the Prometheus text exposition, for `GET /metrics`."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(generation_tokens)

@@ -1,0 +1,44 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server.cli import main
+from server.config import ConfigError, ServerConfig, load_config, parse_size
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_default_yaml_documents_exactly_the_built_in_defaults() -> None:
+    data = yaml.safe_load((CONFIGS / "default.yaml").read_text())
+    assert set(data) == set(ServerConfig.model_fields)
+    assert load_config(CONFIGS / "default.yaml", {}) == ServerConfig()
+
+
+def test_gpu_yaml_is_valid_and_flags_override_files() -> None:
+    cfg = load_config(CONFIGS / "gpu.yaml", {"port": 9001, "model": None})
+    assert cfg.device == "cuda" and cfg.port == 9001
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [("max_num_seqs: 0\n", "max_num_seqs"), ("blok_size: 8\n", "blok_size"),
+     ("kv_cache_memory: lots\n", "kv_cache_memory"), ("- a\n- b\n", "mapping")],
+)
+def test_a_wrong_key_or_value_names_it(tmp_path: Path, content: str, needle: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=needle):
+        load_config(path, {})
+
+
+def test_sizes() -> None:
+    assert parse_size("1GiB") == 1024**3 and parse_size("512MiB") == 512 * 1024**2
+    assert parse_size("2G") == 2 * 1000**3 and parse_size(123) == 123
+
+
+def test_cli_reports_a_bad_config_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("port: 99999\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "port" in capsys.readouterr().err
