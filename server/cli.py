@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 from server.config import ConfigError, ServerConfig, load_config
+from server.logs import setup_logging
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +26,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     p.add_argument("--max-model-len", type=int, help="context length cap")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", choices=["text", "json"])
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -35,9 +36,7 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"beamline: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(config.log_level, config.log_format)
     run_server(config)
     return 0
 

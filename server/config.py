@@ -1,11 +1,13 @@
-"""Server configuration: YAML file (configs/*.yaml) overridden by CLI flags, validated at start-up.
+"""Server configuration: YAML file (configs/*.yaml) < BEAMLINE_<KEY> env vars < CLI flags.
 
 A wrong key or value stops start-up with a message naming it (pydantic, extra keys forbidden).
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +50,7 @@ class ServerConfig(BaseModel):
     max_stop_sequences: int = Field(16, ge=0)
     max_prompts_per_request: int = Field(16, ge=1)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
@@ -59,8 +62,19 @@ class ConfigError(ValueError):
     pass
 
 
-def load_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
-    """Read `path` (YAML mapping) and apply non-None `overrides`; raise ConfigError naming the key."""
+ENV_PREFIX = "BEAMLINE_"
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
+    """BEAMLINE_<KEY>=value for every config key (BEAMLINE_CACHE_DIR is also the cache default)."""
+    return {k: environ[ENV_PREFIX + k.upper()] for k in ServerConfig.model_fields
+            if ENV_PREFIX + k.upper() in environ}
+
+
+def load_config(
+    path: Path | None, overrides: dict[str, Any], environ: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Read `path` (YAML mapping), then env vars, then non-None `overrides`; errors name the key."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -70,6 +84,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
         if not isinstance(loaded, dict):
             raise ConfigError(f"config {path} must be a mapping of keys to values")
         data.update(loaded)
+    data.update(env_overrides(os.environ if environ is None else environ))
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return ServerConfig(**data)

@@ -42,3 +42,13 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path: Path, capsys: pytest.Cap
     path.write_text("port: 99999\n")
     assert main(["serve", "--config", str(path)]) == 2
     assert "port" in capsys.readouterr().err
+
+
+def test_environment_variables_override_the_file_and_flags_override_both(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("port: 8100\nmax_num_seqs: 4\n")
+    env = {"BEAMLINE_PORT": "8200", "BEAMLINE_MAX_NUM_SEQS": "8"}
+    cfg = load_config(path, {"port": 8300}, environ=env)
+    assert cfg.port == 8300 and cfg.max_num_seqs == 8
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        load_config(None, {}, environ={"BEAMLINE_MAX_NUM_SEQS": "many"})

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.api import serving
 from server.api.errors import APIError, install_error_handlers
+from server.api.middleware import RequestIdMiddleware
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.api.serving import ServingContext
 
@@ -65,6 +66,7 @@ def create_app(
 
     app = FastAPI(title="beamline", version="0.1.0", lifespan=lifespan)
     app.state.serving = state
+    app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app, on_client_error=lambda: _count_validation_failure(state))
 
     @app.get("/health")

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from decoding import DecodingParams
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput
+from server.logs import request_id_var
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class AsyncEngine:
         def emit(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        self.engine.submit(EngineRequest(request_id, prompt_ids, params, emit))
+        self.engine.submit(EngineRequest(request_id, prompt_ids, params, emit, trace_id=request_id_var.get()))
         remaining = params.n
         try:
             while remaining:

@@ -249,20 +249,32 @@ class Engine:
         req.last_token_time = now
 
     def _record_request_end(self, req: EngineRequest, reason: str | None) -> None:
-        if self.metrics is None:
-            return
+        now = time.monotonic()
         strategy = req.params.strategy
         prompt_tokens = len(req.prompt_ids)
         generated = sum(s.num_output for s in req.seqs)
+        queue_s = (req.first_scheduled_time or now) - req.arrival_time
+        e2e_s = now - req.arrival_time
+        log.info(
+            "request %s finished: %s", req.request_id, reason,
+            extra={
+                "request_id": req.trace_id or req.request_id, "engine_request_id": req.request_id,
+                "finish_reason": reason, "strategy": strategy, "prompt_tokens": prompt_tokens,
+                "generation_tokens": generated, "queue_s": round(queue_s, 4),
+                "ttft_s": round(req.first_token_time - req.arrival_time, 4) if req.first_token_time else None,
+                "e2e_s": round(e2e_s, 4),
+            },
+        )
+        if self.metrics is None:
+            return
         if reason in ("stop", "length"):
-            now = time.monotonic()
             self.metrics.record_request_success(
                 strategy=strategy,
                 finished_reason=reason,
                 prompt_tokens=prompt_tokens,
                 generation_tokens=generated,
-                queue_time_s=(req.first_scheduled_time or now) - req.arrival_time,
-                e2e_s=now - req.arrival_time,
+                queue_time_s=queue_s,
+                e2e_s=e2e_s,
             )
         else:
             self.metrics.record_request_failure(
@@ -271,11 +283,6 @@ class Engine:
                 prompt_tokens=prompt_tokens,
                 generation_tokens=generated,
             )
-
-    def fail_all(self, message: str) -> None:
-        """Fail every request in the engine (used when the loop itself must stop)."""
-        self._drain_inbox()
-        self._fail(set(self._requests.values()), message)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -37,6 +37,7 @@ class EngineRequest:
     prompt_ids: list[int]
     params: DecodingParams
     emit: Callable[[RequestOutput], None]  # must be thread-safe: called from the engine thread
+    trace_id: str | None = None  # the client's X-Request-Id, for logs
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
     seqs: list[Sequence] = field(default_factory=list)
