@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from server.config import ConfigError, ServerConfig, load_config
+from server.config import ConfigError, load_config
 from server.logs import setup_logging
 
 
@@ -25,6 +25,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, help="sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     p.add_argument("--max-model-len", type=int, help="context length cap")
+    p.add_argument("--max-waiting-requests", type=int, help="queued requests beyond running; then 503")
+    p.add_argument("--drain-timeout", type=float, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--api-key", dest="api_keys", action="append",
+                   help="require this Bearer key (repeatable; env BEAMLINE_API_KEYS=a,b)")
+    p.add_argument("--api-key-file", type=Path, help="file with one API key per line")
+    p.add_argument("--public-path", dest="public_paths", action="append",
+                   help="path served without a key (repeatable; default /health /ready /metrics)")
+    p.add_argument("--cors-allow-origin", dest="cors_allow_origins", action="append",
+                   help="enable CORS for this origin (repeatable)")
+    p.add_argument("--max-body-bytes", help="request body limit, e.g. 4MiB (413 beyond)")
+    p.add_argument("--max-header-bytes", type=int, help="request header limit")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", choices=["text", "json"])
 
@@ -37,18 +48,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"beamline: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
+    from server.http_server import run_server  # heavy imports (torch) only when serving
+
     run_server(config)
     return 0
-
-
-def run_server(config: ServerConfig) -> None:
-    import uvicorn
-
-    from server.api.app import create_app
-    from server.bootstrap import build_serving_context
-
-    app = create_app(loader=lambda: build_serving_context(config))
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,13 +49,33 @@ class ServerConfig(BaseModel):
     max_n: int = Field(16, ge=1)
     max_stop_sequences: int = Field(16, ge=0)
     max_prompts_per_request: int = Field(16, ge=1)
+    max_waiting_requests: int = Field(256, ge=0, description="queue beyond running; then 503")
+    drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get on SIGTERM")
+    api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
+    api_key_file: Path | None = Field(None, description="file with one API key per line")
+    public_paths: list[str] = Field(default_factory=lambda: ["/health", "/ready", "/metrics"])
+    cors_allow_origins: list[str] = Field(default_factory=list, description="empty = CORS off")
+    max_body_bytes: int = Field(4 * 1024**2, gt=0)
+    max_header_bytes: int = Field(16 * 1024, ge=1024)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", "max_body_bytes", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:
         return parse_size(v)
+
+    @field_validator("api_keys", "public_paths", "cors_allow_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, v: Any) -> Any:
+        """Env vars give lists as comma-separated strings."""
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
+    def all_api_keys(self) -> list[str]:
+        keys = list(self.api_keys)
+        if self.api_key_file is not None:
+            keys += [line.strip() for line in self.api_key_file.read_text().splitlines() if line.strip()]
+        return keys
 
 
 class ConfigError(ValueError):

@@ -1,7 +1,8 @@
-"""The FastAPI application: OpenAI-compatible routes, health, engine stats.
+"""The FastAPI application: OpenAI-compatible routes, health, readiness, metrics, engine stats.
 
 The model loads in a background thread after the server starts listening, so `/health` can answer
-503 while it loads and 200 once the engine loop runs.
+503 while it loads and 200 once the engine loop runs. Admission is bounded: at most
+`max_num_seqs + max_waiting_requests` engine requests are in flight, beyond that 503 + Retry-After.
 """
 
 from __future__ import annotations
@@ -9,28 +10,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.api import serving
 from server.api.errors import APIError, install_error_handlers
+from server.api.guards import APIKeyGuard, BodySizeGuard
 from server.api.middleware import RequestIdMiddleware
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from server.api.serving import ServingContext
+from server.api.serving import Job, ServingContext
+from server.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
 
 class ServingState:
-    """Holds the serving context once loaded (or the error that stopped loading)."""
+    """The serving context once loaded (or the error that stopped loading), admission, draining."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
         self.ctx: ServingContext | None = None
         self.load_error: BaseException | None = None
         self.draining = False
+        self.in_flight = 0  # engine requests admitted and not yet finished
 
     def require(self) -> ServingContext:
         if self.ctx is None:
@@ -40,13 +46,51 @@ class ServingState:
             raise APIError(503, "engine is not running", code="engine_dead")
         return self.ctx
 
+    def admit(self, ctx: ServingContext, count: int) -> None:
+        """Reserve `count` engine requests or refuse with 503 (draining or queue full)."""
+        if self.draining:
+            raise APIError(503, "server is shutting down", code="draining", headers={"Retry-After": "10"})
+        capacity = self.config.max_num_seqs + self.config.max_waiting_requests
+        if self.in_flight + count > capacity:
+            if ctx.metrics is not None:
+                ctx.metrics.record_request_failure(reason="overloaded")
+            raise APIError(503, f"server is overloaded ({self.in_flight} requests in flight); retry later",
+                           code="overloaded", headers={"Retry-After": "1"})
+        self.in_flight += count
+
+    def release(self, count: int) -> None:
+        self.in_flight -= count
+
+
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[object]) -> object:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)  # nobody is listening; the status is for the access log
+        return task.result()
+    finally:
+        watcher.cancel()
+        task.cancel()
+
 
 def create_app(
     ctx: ServingContext | None = None,
     loader: Callable[[], ServingContext] | None = None,
+    config: ServerConfig | None = None,
 ) -> FastAPI:
     """App over an already built context (tests) or one `loader` builds in the background."""
-    state = ServingState()
+    config = config or (ctx.config if ctx is not None else ServerConfig())
+    state = ServingState(config)
     state.ctx = ctx
 
     def load() -> None:
@@ -66,6 +110,12 @@ def create_app(
 
     app = FastAPI(title="beamline", version="0.1.0", lifespan=lifespan)
     app.state.serving = state
+    # Added innermost first: the request id wraps everything, CORS answers preflights before auth.
+    app.add_middleware(BodySizeGuard, max_bytes=config.max_body_bytes)
+    app.add_middleware(APIKeyGuard, keys=config.all_api_keys(), public_paths=config.public_paths)
+    if config.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_allow_origins,
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app, on_client_error=lambda: _count_validation_failure(state))
 
@@ -102,6 +152,7 @@ def create_app(
         return JSONResponse({
             "num_requests_running": e.num_running,
             "num_requests_waiting": e.num_waiting,
+            "num_requests_in_flight": state.in_flight,
             "kv_blocks_total": e.pool.num_blocks,
             "kv_blocks_free": e.pool.num_free,
             "peak_kv_blocks_used": s.peak_blocks_used,
@@ -112,30 +163,52 @@ def create_app(
             "preemptions": s.preemptions,
         })
 
+    async def run(
+        request: Request,
+        c: ServingContext,
+        jobs: list[Job],
+        stream: Callable[[], AsyncIterator[str]] | None,
+        complete: Callable[[], Awaitable[object]],
+    ) -> object:
+        """Admit, then stream or complete; the admission is released however the request ends."""
+        state.admit(c, len(jobs))
+        if stream is None:
+            try:
+                return await _unless_disconnected(request, complete())
+            finally:
+                state.release(len(jobs))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for event in stream():
+                    yield event
+            finally:
+                state.release(len(jobs))
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request):
         c = state.require()
         jobs = serving.completion_jobs(c, body)
         request_id = serving.new_request_id("completion")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = serving.stream_events(
-                c, request_id, jobs, include_usage, serving.completion_chunk_maker(c, request_id)
-            )
-            return StreamingResponse(events, media_type="text/event-stream")
-        return await serving.completion_response(c, request_id, jobs)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = (lambda: serving.stream_events(
+            c, request_id, jobs, include_usage, serving.completion_chunk_maker(c, request_id)
+        )) if body.stream else None
+        return await run(request, c, jobs, stream, lambda: serving.completion_response(c, request_id, jobs))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         c = state.require()
         job = serving.chat_job(c, body)
         request_id = serving.new_request_id("chat")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            make, first = serving.chat_chunk_maker(c, request_id)
-            events = serving.stream_events(c, request_id, [job], include_usage, make, first)
-            return StreamingResponse(events, media_type="text/event-stream")
-        return await serving.chat_response(c, request_id, job)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        make, first = serving.chat_chunk_maker(c, request_id)
+        stream = (lambda: serving.stream_events(c, request_id, [job], include_usage, make, first)
+                  ) if body.stream else None
+        return await run(request, c, [job], stream, lambda: serving.chat_response(c, request_id, job))
 
     return app
 

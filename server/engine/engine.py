@@ -124,22 +124,21 @@ class Engine:
         self._record_schedule(plan)
         if not plan.items:
             return False
+        self._record_step(plan.items)  # before any output of this step reaches a client
         now = time.monotonic()
         for item in plan.items:
             if item.seq.request.first_scheduled_time is None:
                 item.seq.request.first_scheduled_time = now
         try:
             logits = self.runner.execute(plan.items, plan.copies)
-        except Exception as exc:  # a failing step fails its requests, never the loop
+            sampling = [i for i in plan.items if i.samples]
+            for item in plan.items:
+                item.seq.num_computed += item.num_new
+            if sampling:
+                self._sample_and_append(sampling, logits)
+        except Exception as exc:  # a failing step fails its own requests, never the loop
             log.exception("engine step failed")
-            self._fail({i.seq.request for i in plan.items}, f"internal error: {exc}")
-            return True
-        sampling = [i for i in plan.items if i.samples]
-        for item in plan.items:
-            item.seq.num_computed += item.num_new
-        if sampling:
-            self._sample_and_append(sampling, logits)
-        self._record_step(plan.items)
+            self._fail({i.seq.request for i in plan.items}, f"internal error: {type(exc).__name__}: {exc}")
         return True
 
     def _sample_and_append(self, sampling: list[WorkItem], logits: torch.Tensor) -> None:
@@ -216,6 +215,11 @@ class Engine:
                 if not seq.finished:
                     seq.finish_reason = "error"
                     self._retire(seq, text="", error=message)
+
+    def fail_all(self, message: str) -> None:
+        """Fail every request in the engine (used when the loop itself must stop)."""
+        self._drain_inbox()
+        self._fail(set(self._requests.values()), message)
 
     # ---- statistics and metrics ------------------------------------------------------------------
     def _record_schedule(self, plan: StepPlan) -> None:

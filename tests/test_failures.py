@@ -1,0 +1,89 @@
+"""Engine failures and overload: clear 5xx/503, the loop survives, nothing hangs or leaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from server.api.app import create_app
+from server.api.serving import ServingContext
+from server.config import ServerConfig
+from tests.conftest import make_engine, serving_context
+
+BODY = {"prompt": "Hello world", "max_tokens": 4, "temperature": 0}
+
+
+async def test_a_failing_step_fails_its_requests_with_500_and_the_loop_survives(
+    client: httpx.AsyncClient, tiny_ctx: ServingContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = tiny_ctx.engine.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "simulated device error" in err["message"]
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")  # the loop lived on
+    assert (await client.get("/health")).status_code == 200
+    pool = tiny_ctx.engine.engine.pool
+    assert pool.num_free == pool.num_blocks
+
+
+async def test_a_dead_loop_fails_pending_requests_and_health_turns_503(llama_dir) -> None:
+    ctx = serving_context(make_engine(llama_dir))
+    engine = ctx.engine.engine
+
+    class Fatal(BaseException):
+        pass
+
+    def broken_step() -> bool:
+        engine._drain_inbox()  # the request is inside the engine when the loop dies
+        raise Fatal("loop bug")
+
+    app = create_app(ctx=ctx)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            engine.step = broken_step  # type: ignore[method-assign]
+            r = await asyncio.wait_for(c.post("/v1/completions", json=BODY), timeout=10)
+            assert r.status_code == 500
+            assert (await c.get("/health")).status_code == 503
+            r = await c.post("/v1/completions", json=BODY)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    finally:
+        ctx.engine.shutdown()
+
+
+async def test_beyond_the_waiting_queue_requests_get_503_with_retry_after(llama_dir) -> None:
+    ctx = serving_context(make_engine(llama_dir), max_num_seqs=2, max_waiting_requests=2)
+    app = create_app(ctx=ctx)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body = {"prompt": "Hello", "max_tokens": 30, "ignore_eos": True}
+            replies = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(8)))
+        codes = sorted(r.status_code for r in replies)
+        assert set(codes) == {200, 503} and codes.count(200) >= 4
+        for r in replies:
+            if r.status_code == 503:
+                assert r.headers["retry-after"] and r.json()["error"]["code"] == "overloaded"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 30
+        assert ctx.metrics is not None
+        text = ctx.metrics.render()[0].decode()
+        assert f'beamline:request_failure_total{{model_name="tiny",reason="overloaded",strategy="unknown"}} {codes.count(503)}.0' in text
+    finally:
+        ctx.engine.shutdown()
+
+
+def test_config_bounds_the_queue() -> None:
+    assert ServerConfig(max_num_seqs=3, max_waiting_requests=0).max_waiting_requests == 0
