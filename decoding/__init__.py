@@ -1,6 +1,47 @@
-"""Pure decoding algorithms over batched logits: no HTTP, no scheduler."""
+"""Pure decoding algorithms over batched logits: no HTTP, no scheduler. See decoding/README.md."""
 
-from decoding.params import DecodingParams, DecodingParamsError
-from decoding.sampling import SamplingTensors, sample_next_tokens
+from __future__ import annotations
 
-__all__ = ["DecodingParams", "DecodingParamsError", "SamplingTensors", "sample_next_tokens"]
+from collections.abc import Sequence
+
+import torch
+
+from decoding.beam_search import BeamSearch, BeamStep, Hypothesis, step_beam_searches
+from decoding.group_beam import GroupBeamSearch
+from decoding.logprobs import TokenLogprobs, token_logprobs
+from decoding.params import DecodingParams, DecodingParamsError, check_caps
+from decoding.ranking import rank_samples
+from decoding.sampling import SamplingTensors, choose_tokens, process_logits, sample_next_tokens
+
+
+def make_beam_search(
+    params: DecodingParams,
+    eos_ids: Sequence[int] | frozenset[int],
+    *,
+    max_new_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+) -> BeamSearch | GroupBeamSearch:
+    """The state machine for a beam request: GroupBeamSearch or BeamSearch by `params.strategy`."""
+    if params.strategy == "group_beam":
+        return GroupBeamSearch(params, eos_ids, max_new_tokens=max_new_tokens)
+    return BeamSearch(params, eos_ids, max_new_tokens=max_new_tokens, generator=generator)
+
+
+__all__ = [
+    "BeamSearch",
+    "BeamStep",
+    "DecodingParams",
+    "DecodingParamsError",
+    "GroupBeamSearch",
+    "Hypothesis",
+    "SamplingTensors",
+    "TokenLogprobs",
+    "check_caps",
+    "choose_tokens",
+    "make_beam_search",
+    "process_logits",
+    "rank_samples",
+    "sample_next_tokens",
+    "step_beam_searches",
+    "token_logprobs",
+]

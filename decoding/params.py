@@ -1,8 +1,32 @@
-"""One validated object per request holding every decoding parameter."""
+"""One validated object per request holding every decoding parameter.
+
+Names follow the OpenAI API where it has the parameter, Hugging Face `generate()` otherwise, so a
+`DecodingParamsError.field` can be handed back to the client as the offending `param`.
+
+Strategy rules (`DecodingParams.strategy`), first match wins:
+1. `num_beams > 1` and `num_beam_groups > 1`  -> "group_beam" (never samples).
+2. `num_beams > 1` and `do_sample is True`      -> "beam_sample".
+3. `num_beams > 1`                              -> "beam". Beams sample only when asked with
+   `do_sample=True`: the OpenAI default `temperature=1.0` must not silently turn every beam
+   request into beam sampling (HF's beam search is deterministic by default too).
+4. `best_of > n`                                -> "best_of" (sample `best_of`, return the best `n`).
+5. otherwise "sample" when sampling, else "greedy". Sampling is `do_sample` when given, else
+   `temperature > 0`; `top_k == 1` always collapses to greedy.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Strategy = Literal["greedy", "sample", "beam", "group_beam", "beam_sample", "best_of"]
+EarlyStopping = bool | Literal["never"]
+
+BEAM_STRATEGIES: frozenset[str] = frozenset({"beam", "group_beam", "beam_sample"})
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence/frequency penalties
 
 
 class DecodingParamsError(ValueError):
@@ -18,27 +42,224 @@ class DecodingParamsError(ValueError):
 class DecodingParams:
     max_tokens: int = 16
     temperature: float = 1.0
-    top_k: int = 0  # 0 disables
+    top_k: int = 0  # 0 (or -1) disables
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    # --- processors (HF generate() order; see decoding/processors.py) ---
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # --- strategy ---
+    best_of: int | None = None
+    num_beams: int = 1
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = False
+    do_sample: bool | None = None
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
 
     def __post_init__(self) -> None:
-        _check(self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
-        _check(self.temperature >= 0.0, "temperature", "temperature must be >= 0")
-        _check(self.top_k >= 0, "top_k", "top_k must be >= 0 (0 disables it)")
-        _check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        _check(self.n >= 1, "n", "n must be at least 1")
-        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
+        # Normalise container types so equal requests compare equal (lists from JSON, str keys).
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "bad_words_ids", _normalise_bad_words(self.bad_words_ids))
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        self._check_values()
+        self._check_combinations()
+
+    # ---- validation -----------------------------------------------------------------------------
+    def _check_values(self) -> None:
+        _int(self.max_tokens, "max_tokens", low=1)
+        _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature", "temperature must be >= 0")
+        _int(self.top_k, "top_k", low=-1, hint="top_k must be >= 0 (0 or -1 disables it)")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
+        _check(_finite(self.typical_p) and 0.0 < self.typical_p <= 1.0, "typical_p", "typical_p must be in (0, 1]")
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            "repetition_penalty", "repetition_penalty must be > 0 (1 disables it)",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name, f"{name} must be in [-2, 2]")
+        _int(self.no_repeat_ngram_size, "no_repeat_ngram_size", low=0)
+        _int(self.min_tokens, "min_tokens", low=0)
+        _int(self.n, "n", low=1)
+        if self.best_of is not None:
+            _int(self.best_of, "best_of", low=1)
+        _int(self.num_beams, "num_beams", low=1)
+        _int(self.num_beam_groups, "num_beam_groups", low=1)
+        _check(
+            _finite(self.diversity_penalty) and self.diversity_penalty >= 0.0,
+            "diversity_penalty", "diversity_penalty must be >= 0",
+        )
+        _check(_finite(self.length_penalty), "length_penalty", "length_penalty must be a finite number")
+        _check(
+            isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+            "early_stopping", 'early_stopping must be true, false or "never"',
+        )
+        _check(self.do_sample is None or isinstance(self.do_sample, bool), "do_sample", "do_sample must be a boolean")
+        if self.logprobs is not None:
+            _int(self.logprobs, "logprobs", low=0)
+        if self.seed is not None:
+            _check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "seed must be an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must not be empty")
+        _check(all(_token_id(t) for t in self.stop_token_ids), "stop_token_ids", "token ids must be integers >= 0")
+        _check(
+            all(_token_id(t) for t in self.logit_bias),
+            "logit_bias", "logit_bias keys must be token ids (integers >= 0)",
+        )
+        _check(
+            all(_finite(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()),
+            "logit_bias", "logit_bias values must be in [-100, 100]",
+        )
+        _check(
+            all(seq and all(_token_id(t) for t in seq) for seq in self.bad_words_ids),
+            "bad_words_ids", "bad_words_ids must be non-empty sequences of token ids (integers >= 0)",
+        )
+
+    def _check_combinations(self) -> None:
+        if self.do_sample is True and self.temperature == 0.0:
+            raise DecodingParamsError("temperature", "do_sample=true needs temperature > 0")
+        if self.min_tokens > self.max_tokens:
+            raise DecodingParamsError("min_tokens", "min_tokens must not exceed max_tokens")
+        if self.num_beam_groups > 1:
+            if self.num_beams == 1:
+                raise DecodingParamsError("num_beam_groups", "num_beam_groups > 1 needs num_beams > 1")
+            if self.num_beams % self.num_beam_groups:
+                raise DecodingParamsError(
+                    "num_beam_groups", "num_beams must be divisible by num_beam_groups"
+                )
+            if self.do_sample:
+                raise DecodingParamsError("do_sample", "group beam search cannot sample (do_sample=true)")
+        if self.diversity_penalty and self.num_beam_groups == 1:
+            raise DecodingParamsError("diversity_penalty", "diversity_penalty needs num_beam_groups > 1")
+        if self.best_of is not None and self.best_of < self.n:
+            raise DecodingParamsError("best_of", "best_of must be >= n")
+        if self.num_beams > 1:
+            if self.n > self.num_beams:
+                raise DecodingParamsError("n", "n (sequences returned) must be <= num_beams")
+            if self.best_of is not None and self.best_of > self.n:
+                raise DecodingParamsError("best_of", "best_of cannot be combined with beam search")
+        elif self.best_of is not None and self.best_of > self.n and not self.sampling:
+            raise DecodingParamsError("best_of", "best_of > n needs sampling (temperature > 0)")
+
+    # ---- derived properties ---------------------------------------------------------------------
+    @property
+    def sampling(self) -> bool:
+        """Whether tokens (or beam candidates) are drawn at random; see the module docstring."""
+        if self.num_beams > 1:
+            return self.do_sample is True and self.num_beam_groups == 1
+        if self.top_k == 1:
+            return False
+        return self.do_sample if self.do_sample is not None else self.temperature > 0.0
 
     @property
     def greedy(self) -> bool:
-        """Greedy when the distribution collapses to its argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """No randomness and no warpers: argmax rows, and plain or group beam search."""
+        return not self.sampling
+
+    @property
+    def strategy(self) -> Strategy:
+        if self.num_beams > 1:
+            if self.num_beam_groups > 1:
+                return "group_beam"
+            return "beam_sample" if self.sampling else "beam"
+        if self.best_of is not None and self.best_of > self.n:
+            return "best_of"
+        return "sample" if self.sampling else "greedy"
+
+    @property
+    def is_beam(self) -> bool:
+        return self.num_beams > 1
+
+    @property
+    def width(self) -> int:
+        """Rows the request occupies in a decode step once its prompt is prefilled."""
+        if self.num_beams > 1:
+            return self.num_beams
+        return max(self.n, self.best_of or 0)
+
+    def finishing_ids(self, eos_ids: frozenset[int] | set[int] | tuple[int, ...]) -> frozenset[int]:
+        """Token ids that end a sequence: `stop_token_ids` plus the model's EOS unless ignored."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(eos_ids)
+        return frozenset(ids)
+
+
+def check_caps(
+    params: DecodingParams,
+    max_width: int,
+    max_logprobs: int,
+    vocab_size: int | None = None,
+) -> None:
+    """Server-configured limits (rows per request, logprobs) and token ids inside the vocabulary."""
+    if params.width > max_width:
+        name = "num_beams" if params.num_beams > 1 else ("best_of" if params.strategy == "best_of" else "n")
+        raise DecodingParamsError(name, f"{name} must be <= {max_width} on this server")
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise DecodingParamsError("logprobs", f"logprobs must be <= {max_logprobs} on this server")
+    if vocab_size is not None:
+        for name, ids in (
+            ("logit_bias", params.logit_bias.keys()),
+            ("stop_token_ids", params.stop_token_ids),
+            ("bad_words_ids", [t for seq in params.bad_words_ids for t in seq]),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise DecodingParamsError(
+                    name, f"token id {bad[0]} is out of the vocabulary (size {vocab_size})"
+                )
+
+
+def _normalise_logit_bias(raw: object) -> dict[int, float]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise DecodingParamsError("logit_bias", "logit_bias must be a map of token id to bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)  # JSON object keys arrive as strings
+            bias = float(value)
+        except (TypeError, ValueError):
+            raise DecodingParamsError("logit_bias", "logit_bias must map token ids to numbers") from None
+        if isinstance(key, (float, bool)) or (isinstance(key, str) and not key.strip().isdigit()):
+            raise DecodingParamsError("logit_bias", "logit_bias keys must be token ids (integers >= 0)")
+        out[token] = bias
+    return out
+
+
+def _normalise_bad_words(raw: object) -> tuple[tuple[int, ...], ...]:
+    try:
+        return tuple(tuple(seq) for seq in raw)  # type: ignore[union-attr]
+    except TypeError:
+        raise DecodingParamsError("bad_words_ids", "bad_words_ids must be a list of token id lists") from None
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _token_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _int(value: object, name: str, low: int, hint: str | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    _check(ok, name, hint or f"{name} must be an integer >= {low}")
 
 
 def _check(ok: bool, field: str, message: str) -> None:

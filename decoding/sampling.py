@@ -1,9 +1,23 @@
-"""Per-row greedy / temperature / top-k / top-p choice of the next token, vectorised over rows.
+"""One decode step's per-row tensors, the processing pipeline, and the choice of next tokens.
 
-Every row carries its own parameters as tensors, so one call serves a batch that mixes requests.
-Sampling uses the exponential-race trick (argmax of p / Exp(1) noise): it is a draw from the
-categorical distribution that needs no host sync, and a request with a seed draws its noise from
-its own generator, so its tokens do not depend on what else is in the batch.
+Every row carries its own parameters as tensors, so one call serves a batch that mixes greedy,
+sampled and beam rows of many requests. The engine drives it as:
+
+    t = SamplingTensors.from_rows(params, prompt_ids, output_ids, eos_ids, vocab_size, device)
+    scores = process_logits(logits, t)           # processors, then warpers on sampling rows
+    tokens = choose_tokens(scores, t, generators)  # argmax / draw; beam rows: see beam_search.py
+
+`sample_next_tokens(logits, t, generators)` does both last lines in one call.
+
+Beam rows (strategy beam, group_beam, beam_sample) come out of `process_logits` as processed
+*log-probabilities*: HF applies processors to `log_softmax(logits)` in beam search but to raw
+logits when sampling or greedy, and the two differ (the repetition penalty scales by sign).
+
+Sampling uses the exponential-race trick (argmax of p / Exp(1) noise): a draw from the categorical
+distribution with no host sync. Rows with a generator draw their noise from it, so a seeded
+request gets the same tokens whatever else is in the batch; rows of one request must come in
+sibling order (they share its generator). For one row this is exactly `torch.multinomial(p, 1)`
+on CPU, which is how HF samples, so seeded runs can be compared token for token.
 """
 
 from __future__ import annotations
@@ -13,63 +27,125 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.params import DecodingParams
+from decoding.params import BEAM_STRATEGIES, DecodingParams
+from decoding.processors import (
+    ProcessorTensors,
+    TokenIds,
+    apply_processors_,
+    build_processor_tensors,
+)
+from decoding.warpers import WarperTensors, apply_warpers_, build_warper_tensors
 
 
 @dataclass
 class SamplingTensors:
-    temperature: torch.Tensor  # [R] float, 1.0 on greedy rows (unused there)
-    top_k: torch.Tensor  # [R] long, vocab size where disabled
-    top_p: torch.Tensor  # [R] float
-    greedy: torch.Tensor  # [R] bool
-    all_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
+    num_rows: int
+    processors: ProcessorTensors
+    warpers: WarperTensors | None
+    beam_rows: torch.Tensor | None  # [B] long: rows scored as log-probs, None if there are none
+    sample_rows: torch.Tensor | None  # [S] long: rows that draw a token at random
+    sample_row_list: list[int]
+    logprob_rows: list[int]  # rows that asked for logprobs or rank samples (best_of)
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.sample_rows is None
+
+    @classmethod
+    def from_rows(
+        cls,
+        params: Sequence[DecodingParams],
+        prompt_ids: Sequence[TokenIds],
+        output_ids: Sequence[TokenIds],
+        eos_ids: Sequence[int] | frozenset[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """Tensors for R rows: each row's params, its prompt and the tokens it generated so far.
+
+        A request with width W > 1 contributes W rows (its n samples or its beams, in order), each
+        with its own `output_ids`. `eos_ids` are the model's EOS ids (the request's
+        `stop_token_ids` and `ignore_eos` are applied per row).
+        """
+        strategies = [p.strategy for p in params]
+        beam = [s in BEAM_STRATEGIES for s in strategies]
+        drawn = [s in ("sample", "best_of") for s in strategies]
+        warped = [d or s == "beam_sample" for d, s in zip(drawn, strategies)]
+        min_keep = [
+            len(p.finishing_ids(eos_ids)) + 1 if s == "beam_sample" else 1
+            for p, s in zip(params, strategies)
+        ]
+        sample_list = [r for r, d in enumerate(drawn) if d]
+        beam_list = [r for r, b in enumerate(beam) if b]
+        return cls(
+            num_rows=len(params),
+            processors=build_processor_tensors(params, prompt_ids, output_ids, eos_ids, vocab_size, device),
+            warpers=build_warper_tensors(params, warped, min_keep, vocab_size, device),
+            beam_rows=torch.tensor(beam_list, dtype=torch.long, device=device) if beam_list else None,
+            sample_rows=torch.tensor(sample_list, dtype=torch.long, device=device) if sample_list else None,
+            sample_row_list=sample_list,
+            logprob_rows=[
+                r for r, p in enumerate(params) if p.logprobs is not None or strategies[r] == "best_of"
+            ],
+        )
 
     @classmethod
     def from_params(
         cls, params: Sequence[DecodingParams], vocab_size: int, device: torch.device | str
     ) -> SamplingTensors:
-        greedy = [p.greedy for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        return cls(
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device
-            ),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            any_top_k=any(k < vocab_size and not g for k, g in zip(top_k, greedy)),
-            any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
-        )
+        """Legacy entry point without token histories: history-based processors see no tokens
+        and min_tokens knows no EOS id. Prefer `from_rows`."""
+        empty: list[list[int]] = [[] for _ in params]
+        return cls.from_rows(params, empty, empty, (), vocab_size, device)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus."""
-    if not (t.any_top_k or t.any_top_p):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
-    drop = ranks >= t.top_k.unsqueeze(1)
-    if t.any_top_p:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Keep a token while the mass of the better tokens is below top_p (the top one always stays).
-        drop |= mass_before >= t.top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Processed float32 scores [R, V]; `logits` is left untouched (logprobs read it raw).
+
+    A batch with nothing to process (plain greedy / temperature-1 rows) costs no copy at all.
+    """
+    scores = logits.float()
+    if t.beam_rows is None and t.processors.empty and t.warpers is None:
+        return scores
+    if scores.data_ptr() == logits.data_ptr():
+        scores = scores.clone()  # every step below works in place on our own copy
+    if t.beam_rows is not None:
+        scores[t.beam_rows] = scores[t.beam_rows].log_softmax(dim=-1)
+    apply_processors_(scores, t.processors)
+    return apply_warpers_(scores, t.warpers)
 
 
 def exponential_noise(
     shape: tuple[int, int], generators: Sequence[torch.Generator | None], device: torch.device
 ) -> torch.Tensor:
     """Exp(1) noise; rows with a generator draw from it, the rest from the global RNG."""
-    noise = torch.empty(shape, device=device).exponential_()
+    noise = torch.empty(shape, device=device)
+    if any(g is None for g in generators):
+        noise.exponential_()
     for row, gen in enumerate(generators):
         if gen is not None:
             noise[row].exponential_(generator=gen)
     return noise
+
+
+def choose_tokens(
+    scores: torch.Tensor,
+    t: SamplingTensors,
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """One token per row of processed `scores` [R, V]: argmax, or a draw on sampling rows.
+
+    `generators` is per row (None: global RNG). Beam rows get their argmax, which the engine
+    ignores: their tokens come from the request's BeamSearch. Returns [R] long.
+    """
+    tokens = scores.argmax(dim=-1)
+    if t.sample_rows is None:
+        return tokens
+    probs = scores[t.sample_rows].softmax(dim=-1, dtype=torch.float32)
+    gens = [generators[r] for r in t.sample_row_list]
+    noise = exponential_noise(tuple(probs.shape), gens, probs.device)
+    tokens[t.sample_rows] = (probs / noise).argmax(dim=-1)
+    return tokens
 
 
 def sample_next_tokens(
@@ -77,12 +153,5 @@ def sample_next_tokens(
     t: SamplingTensors,
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """Pick one token per row of `logits` [R, V] (already processed); returns [R] long."""
-    greedy_tokens = logits.argmax(dim=-1)
-    if t.all_greedy:
-        return greedy_tokens
-    scaled = logits / t.temperature.unsqueeze(1)
-    probs = apply_top_k_top_p(scaled, t).softmax(dim=-1, dtype=torch.float32)
-    noise = exponential_noise(tuple(probs.shape), generators, probs.device)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(t.greedy, greedy_tokens, sampled)
+    """`choose_tokens(process_logits(logits, t), t, generators)`: raw logits in, [R] tokens out."""
+    return choose_tokens(process_logits(logits, t), t, generators)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -47,6 +47,9 @@ class ServerConfig(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     max_n: int = Field(16, ge=1)
+    max_best_of: int = Field(16, ge=1)
+    max_num_beams: int = Field(16, ge=1)
+    max_logprobs: int = Field(20, ge=0)
     max_stop_sequences: int = Field(16, ge=0)
     max_prompts_per_request: int = Field(16, ge=1)
     max_waiting_requests: int = Field(256, ge=0, description="queue beyond running; then 503")
@@ -70,6 +73,15 @@ class ServerConfig(BaseModel):
     def _comma_list(cls, v: Any) -> Any:
         """Env vars give lists as comma-separated strings."""
         return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _budget_fits_the_widest_request(self) -> ServerConfig:
+        # All rows of a request sample in the same step, so one step must hold the widest request.
+        widest = max(self.max_n, self.max_best_of, self.max_num_beams)
+        if self.max_num_batched_tokens < widest:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= the "
+                             f"widest request allowed ({widest}: max_n / max_best_of / max_num_beams)")
+        return self
 
     def all_api_keys(self) -> list[str]:
         keys = list(self.api_keys)

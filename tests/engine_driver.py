@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from decoding import DecodingParams
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput
+from server.engine.sequence import Sequence
+
+
+@dataclass(eq=False)
+class StubRequest:
+    """What the scheduler needs of a request: its rows and its width (no decoding state)."""
+
+    rows: list[Sequence] = field(default_factory=list)
+    width: int = 1
+
+
+def stub_rows(token_ids: list[int], rows: int = 1) -> StubRequest:
+    req = StubRequest(width=rows)
+    for _ in range(rows):
+        req.rows.append(Sequence(req, list(token_ids), len(token_ids)))  # type: ignore[arg-type]
+    return req
 
 
 @dataclass
@@ -23,7 +40,19 @@ class Collected:
 
     @property
     def finished(self) -> bool:
-        return bool(self.outputs) and self.outputs[-1].finished
+        return bool(self.outputs) and self.outputs[-1].request_done
+
+    def choices(self) -> dict[int, tuple[str, list[int], str | None]]:
+        """Per choice index: (text, token ids, finish reason)."""
+        text: dict[int, str] = defaultdict(str)
+        tokens: dict[int, list[int]] = defaultdict(list)
+        reasons: dict[int, str | None] = {}
+        for o in self.outputs:
+            text[o.index] += o.text
+            tokens[o.index] += o.token_ids
+            if o.finished:
+                reasons[o.index] = o.finish_reason
+        return {i: (text[i], tokens[i], reasons.get(i)) for i in sorted(text)}
 
     @property
     def finish_reason(self) -> str | None:

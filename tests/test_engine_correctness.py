@@ -10,7 +10,7 @@ import torch
 from decoding import DecodingParams
 from server.engine.sequence import Sequence
 from tests.conftest import hf_reference, make_engine
-from tests.engine_driver import generate
+from tests.engine_driver import generate, stub_rows
 
 ARCHS = ["llama", "gemma3", "qwen2", "mistral"]
 PROMPTS = [
@@ -31,17 +31,18 @@ def test_logits_of_a_mixed_prefill_and_decode_batch_match_transformers(
 ) -> None:
     engine = make_engine(tiny_model_dirs[arch], block_size=4, max_num_batched_tokens=12)
     ref, tok = hf_reference(tiny_model_dirs[arch])
-    seqs = [Sequence(None, tok(p).input_ids, 0) for p in PROMPTS[:3]]  # type: ignore[arg-type]
+    requests = [stub_rows(tok(p).input_ids) for p in PROMPTS[:3]]
+    seqs = [r.rows[0] for r in requests]
 
     def reference_logits(seq: Sequence) -> torch.Tensor:
         with torch.no_grad():
             return ref(torch.tensor([seq.token_ids])).logits[0, -1]
 
     checked, mixed = 0, False
-    engine.scheduler.add(seqs[0])
+    engine.scheduler.add(requests[0])
     for step in range(12):  # the later prompts join while earlier ones decode, in chunks of <= 12
         if step in (2, 4):
-            engine.scheduler.add(seqs[step // 2])
+            engine.scheduler.add(requests[step // 2])
         plan = engine.scheduler.schedule()
         logits = engine.runner.execute(plan.items, plan.copies)
         sampled = [i for i in plan.items if i.samples]

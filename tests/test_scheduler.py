@@ -1,10 +1,16 @@
 from server.engine.block_pool import BlockPool
 from server.engine.scheduler import Scheduler, StepPlan
 from server.engine.sequence import Sequence
+from tests.engine_driver import stub_rows
 
 
-def seq(prompt_len: int) -> Sequence:
-    return Sequence(request=None, token_ids=list(range(prompt_len)), prompt_len=prompt_len)  # type: ignore[arg-type]
+def seq(prompt_len: int, rows: int = 1) -> Sequence:
+    return stub_rows(list(range(prompt_len)), rows).rows[0]
+
+
+def add(sched: Scheduler, *seqs: Sequence) -> None:
+    for s in seqs:
+        sched.add(s.request)
 
 
 def advance(plan: StepPlan) -> None:
@@ -19,7 +25,7 @@ def advance(plan: StepPlan) -> None:
 def test_long_prompt_is_prefilled_in_chunks_under_the_budget() -> None:
     sched = Scheduler(BlockPool(64, 4), max_num_seqs=8, max_num_batched_tokens=4)
     s = seq(10)
-    sched.add(s)
+    add(sched, s)
     chunks = []
     for _ in range(3):
         plan = sched.schedule()
@@ -32,11 +38,10 @@ def test_long_prompt_is_prefilled_in_chunks_under_the_budget() -> None:
 def test_decodes_go_first_and_a_new_prompt_takes_the_rest_of_the_budget() -> None:
     sched = Scheduler(BlockPool(64, 4), max_num_seqs=8, max_num_batched_tokens=6)
     a, b = seq(3), seq(3)
-    sched.add(a)
-    sched.add(b)
+    add(sched, a, b)
     advance(sched.schedule())  # both prompts fit: 3 + 3
     c = seq(20)
-    sched.add(c)
+    add(sched, c)
     plan = sched.schedule()
     assert [(i.seq, i.num_new) for i in plan.items] == [(a, 1), (b, 1), (c, 4)]
     assert plan.num_tokens == 6
@@ -47,17 +52,17 @@ def test_requests_join_and_leave_between_steps() -> None:
     sched = Scheduler(pool, max_num_seqs=2, max_num_batched_tokens=64)
     a, b, c = seq(2), seq(2), seq(2)
     for s in (a, b, c):
-        sched.add(s)
+        add(sched, s)
     plan = sched.schedule()
     assert [i.seq for i in plan.items] == [a, b]  # max_num_seqs caps the running set
     advance(plan)
-    sched.remove(a)  # a finishes: its blocks return at once and c joins at the next step
-    assert a.block_table == []
+    sched.remove(a.request)  # a finishes: its blocks return at once and c joins at the next step
+    assert a.block_table == [] and a.request.rows == []
     plan = sched.schedule()
     assert [i.seq for i in plan.items] == [b, c]
     advance(plan)
-    sched.remove(b)
-    sched.remove(c)
+    sched.remove(b.request)
+    sched.remove(c.request)
     assert pool.num_free == pool.num_blocks
 
 
@@ -65,17 +70,16 @@ def test_pool_exhaustion_preempts_the_youngest_and_resumes_it_later() -> None:
     pool = BlockPool(4, 2)  # 8 token slots
     sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
     old, young = seq(3), seq(3)
-    sched.add(old)
-    sched.add(young)
+    add(sched, old, young)
     advance(sched.schedule())  # prompts: 2 blocks each, pool full
     advance(sched.schedule())  # 4th token still fits in the 2nd block
     assert pool.num_free == 0 and len(old.token_ids) == 5
     plan = sched.schedule()  # both need a third block for their 5th token: the young one yields
-    assert plan.preempted == [young]
+    assert plan.preempted == [young.request]
     assert [i.seq for i in plan.items] == [old]
-    assert young.num_computed == 0 and young.block_table == [] and sched.waiting[0] is young
+    assert young.num_computed == 0 and young.block_table == [] and sched.waiting[0] is young.request
     advance(plan)
-    sched.remove(old)
+    sched.remove(old.request)
     plan = sched.schedule()  # recompute prompt + generated tokens, then sample the next
     assert [(i.seq, i.num_new, i.samples) for i in plan.items] == [(young, 5, True)]
 
@@ -84,7 +88,30 @@ def test_waiting_request_does_not_join_without_blocks_for_its_chunk() -> None:
     pool = BlockPool(2, 4)
     sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
     a, b = seq(8), seq(4)
-    sched.add(a)
-    sched.add(b)
+    add(sched, a, b)
     plan = sched.schedule()
-    assert [i.seq for i in plan.items] == [a] and list(sched.waiting) == [b]
+    assert [i.seq for i in plan.items] == [a] and list(sched.waiting) == [b.request]
+
+
+def test_rows_of_one_request_sample_in_the_same_step() -> None:
+    """Beams recomputed after preemption: when all rows cannot finish, each stops one short."""
+    sched = Scheduler(BlockPool(64, 4), max_num_seqs=8, max_num_batched_tokens=8)
+    first = seq(6, rows=3)
+    rows = first.request.rows
+    add(sched, first)
+    plan = sched.schedule()
+    assert [(i.seq, i.num_new, i.samples) for i in plan.items] == [(rows[0], 5, False), (rows[1], 3, False)]
+    advance(plan)
+    plan = sched.schedule()  # 1 + 3 + 6 = 10 > 8 still: nobody may reach the end alone
+    assert all(not i.samples for i in plan.items)
+    advance(plan)
+    plan = sched.schedule()
+    assert [i.samples for i in plan.items] == [True, True, True]
+
+
+def test_a_wide_request_waits_for_room_in_the_row_cap() -> None:
+    sched = Scheduler(BlockPool(64, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    narrow, wide = seq(2, rows=2), seq(2, rows=3)
+    add(sched, narrow, wide)
+    plan = sched.schedule()
+    assert {i.seq.request for i in plan.items} == {narrow.request}  # 2 + 3 rows > 4

@@ -205,7 +205,7 @@ def create_app(
         job = serving.chat_job(c, body)
         request_id = serving.new_request_id("chat")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        make, first = serving.chat_chunk_maker(c, request_id)
+        make, first = serving.chat_chunk_maker(c, request_id, body.n)
         stream = (lambda: serving.stream_events(c, request_id, [job], include_usage, make, first)
                   ) if body.stream else None
         return await run(request, c, [job], stream, lambda: serving.chat_response(c, request_id, job))

@@ -41,6 +41,25 @@ class SamplingFields(OpenAIModel):
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     user: str | None = None
+    # Processors and warpers (ranges are checked by decoding.DecodingParams, naming the field).
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None  # strings, tokenized by the server
+    bad_words_ids: list[TokenIds] | None = None
+    # Strategies beyond greedy / sampling.
+    best_of: int | None = Field(None, ge=1)
+    num_beams: int = Field(1, ge=1)
+    num_beam_groups: int = Field(1, ge=1)
+    diversity_penalty: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    do_sample: bool | None = None
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -52,7 +71,6 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
-    best_of: int | None = Field(None, ge=1)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts, each text or token ids."""

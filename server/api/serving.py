@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from decoding import DecodingParams
+from decoding import DecodingParams, check_caps
 from server.api.errors import APIError, bad_request
+from server.api.logprob_format import chat_logprobs, completion_logprobs
 from server.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -30,7 +31,7 @@ from server.api.protocol import (
 )
 from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
-from server.engine.request import RequestOutput
+from server.engine.request import RequestOutput, TokenLogprob
 from server.metrics import Metrics
 
 
@@ -86,16 +87,21 @@ def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int
 
 
 def decoding_params(
-    ctx: ServingContext, req: SamplingFields, prompt_len: int, max_tokens: int | None
+    ctx: ServingContext, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None
 ) -> DecodingParams:
-    """Build DecodingParams; limits that depend on the server (context, caps) are checked here."""
-    if req.n > 1:
-        raise bad_request("n > 1 is not supported yet", "n", "unsupported")
+    """Build DecodingParams; limits that depend on the server (context, caps) are checked here.
+
+    Invalid values raise DecodingParamsError, which the app answers with a 400 naming the field.
+    """
+    cfg = ctx.config
     stops = req.stop_list()
-    if len(stops) > ctx.config.max_stop_sequences:
-        raise bad_request(
-            f"at most {ctx.config.max_stop_sequences} stop sequences are allowed", "stop", "too_many_stop"
-        )
+    if len(stops) > cfg.max_stop_sequences:
+        raise bad_request(f"at most {cfg.max_stop_sequences} stop sequences are allowed", "stop", "too_many_stop")
+    for name, value, cap in (("n", req.n, cfg.max_n), ("best_of", req.best_of or 1, cfg.max_best_of),
+                             ("num_beams", req.num_beams, cfg.max_num_beams),
+                             ("logprobs", logprobs or 0, cfg.max_logprobs)):
+        if value > cap:
+            raise bad_request(f"{name} must be <= {cap} on this server (got {value})", name, "above_limit")
     room = ctx.max_model_len - prompt_len
     if max_tokens is None:
         max_tokens = room
@@ -106,7 +112,7 @@ def decoding_params(
             "max_tokens" if room >= 1 else "prompt",
             "context_length_exceeded",
         )
-    return DecodingParams(
+    params = DecodingParams(
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_k=req.top_k,
@@ -116,7 +122,35 @@ def decoding_params(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         n=req.n,
+        min_p=req.min_p,
+        typical_p=req.typical_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        no_repeat_ngram_size=req.no_repeat_ngram_size,
+        min_tokens=req.min_tokens,
+        logit_bias=req.logit_bias or {},
+        bad_words_ids=_bad_words(ctx, req),
+        best_of=req.best_of,
+        num_beams=req.num_beams,
+        num_beam_groups=req.num_beam_groups,
+        diversity_penalty=req.diversity_penalty,
+        length_penalty=req.length_penalty,
+        early_stopping=req.early_stopping,
+        do_sample=req.do_sample,
+        logprobs=logprobs,
     )
+    check_caps(params, max(cfg.max_n, cfg.max_best_of, cfg.max_num_beams), cfg.max_logprobs, ctx.vocab_size)
+    return params
+
+
+def _bad_words(ctx: ServingContext, req: SamplingFields) -> tuple[tuple[int, ...], ...]:
+    words = [tuple(ids) for ids in req.bad_words_ids or ()]
+    for word in req.bad_words or ():
+        if not word:
+            raise bad_request("bad_words must not contain empty strings", "bad_words", "invalid_value")
+        words.append(tuple(ctx.tokenizer(word, add_special_tokens=False).input_ids))
+    return tuple(words)
 
 
 @dataclass
@@ -126,16 +160,14 @@ class Job:
     prompt_ids: list[int]
     params: DecodingParams
     choice_offset: int
+    echo_text: str = ""  # completions with echo: the prompt text, sent before each choice
 
 
 def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
     check_model(ctx, req.model)
-    if req.echo:
-        raise bad_request("echo is not supported yet", "echo", "unsupported")
-    if req.logprobs is not None:
-        raise bad_request("logprobs is not supported yet", "logprobs", "unsupported")
-    if req.best_of not in (None, 1):
-        raise bad_request("best_of > 1 is not supported yet", "best_of", "unsupported")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo",
+                          "unsupported")
     prompts = req.prompts()
     if not prompts:
         raise bad_request("prompt must not be empty", "prompt", "empty_prompt")
@@ -146,17 +178,19 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
     jobs = []
     for i, prompt in enumerate(prompts):
         ids = tokenize_prompt(ctx, prompt, "prompt")
-        params = decoding_params(ctx, req, len(ids), req.max_tokens or 16)
-        jobs.append(Job(ids, params, i * req.n))
+        params = decoding_params(ctx, req, len(ids), req.max_tokens or 16, req.logprobs)
+        echo = (prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)) if req.echo else ""
+        jobs.append(Job(ids, params, i * req.n, echo))
     return jobs
 
 
 def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
     check_model(ctx, req.model)
-    if req.logprobs or req.top_logprobs:
-        raise bad_request("logprobs is not supported yet", "logprobs", "unsupported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     ids = chat_prompt_ids(ctx, req)
-    params = decoding_params(ctx, req, len(ids), req.max_completion_tokens or req.max_tokens)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = decoding_params(ctx, req, len(ids), req.max_completion_tokens or req.max_tokens, logprobs)
     return Job(ids, params, 0)
 
 
@@ -200,19 +234,28 @@ def _raise_if_error(out: RequestOutput) -> None:
         raise APIError(500, out.error, code="engine_error")
 
 
-async def collect(ctx: ServingContext, request_id: str, jobs: list[Job]) -> tuple[dict[int, list], Usage]:
-    """Run to completion: {choice index: [text, finish_reason]} and usage."""
-    choices: dict[int, list] = {}
-    completion_tokens = 0
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    completion_tokens: int = 0
+
+
+async def collect(ctx: ServingContext, request_id: str, jobs: list[Job]) -> tuple[dict[int, ChoiceResult], Usage]:
+    """Run to completion: every choice's text, finish reason and logprobs, plus usage."""
+    choices: dict[int, ChoiceResult] = {}
     async with aclosing(run_jobs(ctx, request_id, jobs)) as outputs:
         async for job, out in outputs:
             _raise_if_error(out)
-            entry = choices.setdefault(job.choice_offset + out.index, ["", None])
-            entry[0] += out.text
+            choice = choices.setdefault(job.choice_offset + out.index, ChoiceResult(text=job.echo_text))
+            choice.text += out.text
+            if out.logprobs is not None:
+                choice.logprobs = (choice.logprobs or []) + out.logprobs
             if out.finished:
-                entry[1] = out.finish_reason
-                completion_tokens += out.completion_tokens
-    return choices, _usage(jobs, completion_tokens)
+                choice.finish_reason = out.finish_reason
+                choice.completion_tokens = out.completion_tokens
+    return choices, _usage(jobs, sum(c.completion_tokens for c in choices.values()))
 
 
 def _usage(jobs: list[Job], completion_tokens: int) -> Usage:
@@ -229,7 +272,13 @@ async def completion_response(ctx: ServingContext, request_id: str, jobs: list[J
     return CompletionResponse(
         id=request_id,
         model=ctx.model_name,
-        choices=[CompletionChoice(index=i, text=t, finish_reason=f) for i, (t, f) in sorted(choices.items())],
+        choices=[
+            CompletionChoice(
+                index=i, text=c.text, finish_reason=c.finish_reason,
+                logprobs=completion_logprobs(ctx.tokenizer, c.logprobs, 0) if c.logprobs is not None else None,
+            )
+            for i, c in sorted(choices.items())
+        ],
         usage=usage,
     )
 
@@ -240,8 +289,11 @@ async def chat_response(ctx: ServingContext, request_id: str, job: Job) -> ChatC
         id=request_id,
         model=ctx.model_name,
         choices=[
-            ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=f)
-            for i, (t, f) in sorted(choices.items())
+            ChatChoice(
+                index=i, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
+                logprobs=chat_logprobs(ctx.tokenizer, c.logprobs) if c.logprobs is not None else None,
+            )
+            for i, c in sorted(choices.items())
         ],
         usage=usage,
     )
@@ -258,48 +310,69 @@ async def stream_events(
     request_id: str,
     jobs: list[Job],
     include_usage: bool,
-    make_chunk: Callable[[int, RequestOutput | None], dict],
+    make_chunk: Callable[[int, str, RequestOutput | None], dict],
     first_chunks: Sequence[dict] = (),
 ) -> AsyncIterator[str]:
-    """SSE stream: one chunk per output with content, usage last when asked, then [DONE]."""
+    """SSE stream: a chunk per output with content, usage last when asked, then [DONE].
+
+    Sampled strategies stream each choice token by token (chunks carry the choice `index`); beam
+    strategies and best_of know their answer only at the end and send each final choice whole.
+    """
     for chunk in first_chunks:
         yield sse(chunk)
     completion_tokens = 0
     failed = False
+    echoed: set[int] = set()
     async with aclosing(run_jobs(ctx, request_id, jobs)) as outputs:
         async for job, out in outputs:
             if out.error is not None:
                 yield sse(APIError(500, out.error, code="engine_error").body())
                 failed = True
                 break
+            index = job.choice_offset + out.index
+            prefix = ""
+            if job.echo_text and index not in echoed:
+                echoed.add(index)
+                prefix = job.echo_text
             if out.finished:
                 completion_tokens += out.completion_tokens
-            if out.text or out.finished:
-                chunk = make_chunk(job.choice_offset + out.index, out)
+            if out.text or out.finished or out.logprobs or prefix:
+                chunk = make_chunk(index, prefix, out)
                 if include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)
     if include_usage and not failed:
-        final = make_chunk(0, None)
+        final = make_chunk(0, "", None)
         final["usage"] = _usage(jobs, completion_tokens).model_dump()
         yield sse(final)
     yield sse("[DONE]")
 
 
-def completion_chunk_maker(ctx: ServingContext, request_id: str) -> Callable[[int, RequestOutput | None], dict]:
+def completion_chunk_maker(
+    ctx: ServingContext, request_id: str
+) -> Callable[[int, str, RequestOutput | None], dict]:
     created = int(time.time())
+    offsets: dict[int, int] = {}  # text_offset so far, per choice
 
-    def make(index: int, out: RequestOutput | None) -> dict:
-        choices = [] if out is None else [
-            CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason).model_dump()
-        ]
+    def make(index: int, prefix: str, out: RequestOutput | None) -> dict:
+        choices = []
+        if out is not None:
+            text = prefix + out.text
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = completion_logprobs(ctx.tokenizer, out.logprobs, offsets.get(index, len(prefix)))
+            offsets[index] = offsets.get(index, 0) + len(text)
+            choices = [CompletionChoice(index=index, text=text, finish_reason=out.finish_reason,
+                                        logprobs=logprobs).model_dump()]
         return {"id": request_id, "object": "text_completion", "created": created,
                 "model": ctx.model_name, "choices": choices}
 
     return make
 
 
-def chat_chunk_maker(ctx: ServingContext, request_id: str) -> tuple[Callable[[int, RequestOutput | None], dict], list[dict]]:
+def chat_chunk_maker(
+    ctx: ServingContext, request_id: str, n: int
+) -> tuple[Callable[[int, str, RequestOutput | None], dict], list[dict]]:
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice]) -> dict:
@@ -309,13 +382,15 @@ def chat_chunk_maker(ctx: ServingContext, request_id: str) -> tuple[Callable[[in
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         return body
 
-    def make(index: int, out: RequestOutput | None) -> dict:
+    def make(index: int, prefix: str, out: RequestOutput | None) -> dict:
         if out is None:
             return chunk([])
         delta = ChatDelta(content=out.text) if out.text else ChatDelta()
-        return chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=out.finish_reason)])
+        logprobs = chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs is not None else None
+        return chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=out.finish_reason,
+                                      logprobs=logprobs)])
 
-    first = [chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])]
+    first = [chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(n)]
     return make, first
 
 

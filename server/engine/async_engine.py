@@ -69,13 +69,12 @@ class AsyncEngine:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         self.engine.submit(EngineRequest(request_id, prompt_ids, params, emit, trace_id=request_id_var.get()))
-        remaining = params.n
+        done = False
         try:
-            while remaining:
+            while not done:
                 out = await outputs.get()
-                if out.finished:
-                    remaining -= 1
+                done = out.request_done
                 yield out
         finally:
-            if remaining:
+            if not done:
                 self.engine.abort(request_id)

@@ -1,8 +1,12 @@
-"""The engine loop: one model forward per step for every running sequence.
+"""The engine loop: one model forward per step for every running row of every request.
 
-`step()` = drain the inbox (new requests, aborts) -> schedule -> run the model -> choose tokens ->
-append, check stop conditions, stream text, retire finished sequences (their blocks return at once).
-`submit` and `abort` are thread-safe; the loop runs in its own thread (see async_engine.py).
+`step()` = drain the inbox (new requests, aborts) -> schedule -> run the model -> decode (decoding/)
+-> append tokens, fork beams, check stop conditions, stream text, retire what finished (its blocks
+return at once). `submit` and `abort` are thread-safe; the loop runs in its own thread.
+
+A request has one row (greedy, sampling), `n` / `best_of` rows (forked from the prefilled prompt,
+sharing its blocks), or `num_beams` rows whose KV blocks are forked from their parent row at every
+step (shared blocks, copy-on-write of the last partial one): no step copies a whole history.
 """
 
 from __future__ import annotations
@@ -16,12 +20,22 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoding import SamplingTensors, sample_next_tokens
+from decoding import (
+    BeamSearch,
+    SamplingTensors,
+    choose_tokens,
+    make_beam_search,
+    process_logits,
+    rank_samples,
+    step_beam_searches,
+    token_logprobs,
+)
+from decoding.beam_search import BeamStep, Hypothesis
 from decoding.stopping import find_stop, holdback
 from server.engine.block_pool import BlockPool
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.model_runner import ModelRunner, WorkItem
-from server.engine.request import EngineRequest, RequestOutput, SequenceText
+from server.engine.request import EngineRequest, RequestOutput, SequenceText, TokenLogprob
 from server.engine.scheduler import Scheduler, StepPlan
 from server.engine.sequence import Sequence
 from server.metrics import Metrics
@@ -52,8 +66,8 @@ class Engine:
         metrics: Metrics | None = None,
     ) -> None:
         self.runner = runner
-        self.metrics = metrics
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens)
         capacity = runner.num_blocks * runner.block_size
@@ -87,7 +101,7 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    # ---- the loop -------------------------------------------------------------------------------
+    # ---- admission and abort ----------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -100,23 +114,31 @@ class Engine:
                 self._abort(payload)  # type: ignore[arg-type]
 
     def _admit(self, req: EngineRequest) -> None:
-        if req.params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(req.params.seed)
-        seq = Sequence(req, list(req.prompt_ids), len(req.prompt_ids))
-        req.seqs.append(seq)
-        self._texts[seq.seq_id] = SequenceText(IncrementalDetokenizer(self.tokenizer, req.prompt_ids))
+        params = req.params
+        req.finishing_ids = params.finishing_ids(self.eos_token_ids)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if params.is_beam:
+            room = self.max_model_len - len(req.prompt_ids)
+            req.search = make_beam_search(params, self.eos_token_ids, max_new_tokens=room)
+            if params.logprobs is not None:
+                req.beam_logprobs = {}
+        req.rows.append(self._new_row(req, list(req.prompt_ids), index=0))
         self._requests[req.request_id] = req
-        self.scheduler.add(seq)
+        self.scheduler.add(req)
+
+    def _new_row(self, req: EngineRequest, token_ids: list[int], index: int) -> Sequence:
+        seq = Sequence(req, token_ids, len(req.prompt_ids), index=index)
+        if req.streams:
+            self._texts[seq.seq_id] = SequenceText(IncrementalDetokenizer(self.tokenizer, req.prompt_ids))
+        return seq
 
     def _abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
-        if req is None:
-            return
-        for seq in req.seqs:
-            if not seq.finished:
-                seq.finish_reason = "abort"
-                self._retire(seq, text="")
+        if req is not None:
+            self._end_request(req, "abort")
 
+    # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one engine iteration; False when there was nothing to do."""
         self._drain_inbox()
@@ -135,93 +157,276 @@ class Engine:
             for item in plan.items:
                 item.seq.num_computed += item.num_new
             if sampling:
-                self._sample_and_append(sampling, logits)
+                self._decode(sampling, logits)
         except Exception as exc:  # a failing step fails its own requests, never the loop
             log.exception("engine step failed")
-            self._fail({i.seq.request for i in plan.items}, f"internal error: {type(exc).__name__}: {exc}")
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            for req in {i.seq.request for i in plan.items}:
+                self._end_request(req, "error", message)
         return True
 
-    def _sample_and_append(self, sampling: list[WorkItem], logits: torch.Tensor) -> None:
-        requests = [i.seq.request for i in sampling]
-        tensors = SamplingTensors.from_params(
-            [r.params for r in requests], logits.shape[-1], logits.device
+    def _decode(self, sampling: list[WorkItem], logits: torch.Tensor) -> None:
+        """Choose next tokens for every sampled row, then apply them request by request."""
+        rows = [item.seq for item in sampling]
+        rows, logits = self._expand_first_samples(rows, logits)
+        params = [s.request.params for s in rows]
+        tensors = SamplingTensors.from_rows(
+            params,
+            [s.request.prompt_ids for s in rows],
+            [s.output_ids for s in rows],
+            self.eos_token_ids,
+            logits.shape[-1],
+            logits.device,
         )
-        tokens = sample_next_tokens(logits, tensors, [r.generator for r in requests]).tolist()
+        scores = process_logits(logits, tensors)
+        tokens = choose_tokens(scores, tensors, [s.request.generator for s in rows]).tolist()
+        logprobs = self._token_logprobs(rows, logits, tokens, tensors.logprob_rows)
+
+        beam_reqs: list[EngineRequest] = []
+        beam_scores: list[torch.Tensor] = []
+        start = 0
         now = time.monotonic()
-        for item, token in zip(sampling, tokens):
-            self._record_token_time(item.seq.request, now)
-            self._append_token(item.seq, token)
-        self.stats.tokens_generated += len(tokens)
+        while start < len(rows):
+            req = rows[start].request
+            count = len(req.rows)
+            self._record_token_time(req, now)
+            if req.search is not None:
+                beam_reqs.append(req)
+                beam_scores.append(scores[start : start + count])
+                if req.beam_logprobs is not None:
+                    self._remember_beam_logprobs(req, logits[start : start + count], beam_scores[-1])
+            else:
+                for r in range(start, start + count):
+                    self._append_token(rows[r], tokens[r], logprobs.get(r))
+            start += count
+        if beam_reqs:
+            for req, beam_step in zip(beam_reqs, self._step_searches(beam_reqs, beam_scores)):
+                self._apply_beam_step(req, beam_step)
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
-        params = seq.request.params
-        seq.token_ids.append(token)
-        text = self._texts[seq.seq_id]
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            seq.finish_reason = "stop"
-            self._retire(seq, text=text.detok.flush())
-            return
-        text.detok.push(token)
-        if params.stop:
-            full = text.detok.text
-            cut = find_stop(full, params.stop, text.stop_checked)
-            text.stop_checked = max(0, len(full) - holdback(params.stop))
-            if cut is not None:
-                seq.finish_reason = "stop"
-                self._retire(seq, text=full[text.sent : max(cut, text.sent)])
-                return
-        if seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            seq.finish_reason = "length"
-            text.detok.flush()
-            self._retire(seq, text=text.detok.text[text.sent :])
-            return
-        ready = len(text.detok.text) - holdback(params.stop)
-        if ready > text.sent:
-            delta = text.detok.text[text.sent : ready]
-            text.sent = ready
-            self._emit(seq, delta, [token])
-        else:
-            self._emit(seq, "", [token])
+    def _expand_first_samples(
+        self, rows: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """A request with n / best_of > 1 prefills its prompt once, as one row; at its first sample
+        that row forks into its width, the children sharing the prompt's blocks."""
+        if all(s.request.search is not None or s.request.width == 1 or s.num_output for s in rows):
+            return rows, logits
+        out_rows: list[Sequence] = []
+        index: list[int] = []
+        for r, seq in enumerate(rows):
+            req = seq.request
+            if req.search is not None or req.width == 1 or seq.num_output or len(req.rows) > 1:
+                out_rows.append(seq)
+                index.append(r)
+                continue
+            for k in range(1, req.width):
+                child = self._new_row(req, list(seq.token_ids), index=k)
+                child.num_computed = seq.num_computed
+                child.block_table = self.pool.share(seq.block_table)
+                req.rows.append(child)
+            out_rows.extend(req.rows)
+            index.extend([r] * req.width)
+        return out_rows, logits.index_select(0, torch.tensor(index, device=logits.device))
 
-    def _emit(self, seq: Sequence, text: str, token_ids: list[int], error: str | None = None) -> None:
+    def _token_logprobs(
+        self, rows: list[Sequence], logits: torch.Tensor, tokens: list[int], wanted: list[int]
+    ) -> dict[int, TokenLogprob]:
+        wanted = [r for r in wanted if rows[r].request.search is None]
+        if not wanted:
+            return {}
+        top = max(rows[r].request.params.logprobs or 0 for r in wanted)
+        lp = token_logprobs(logits, [tokens[r] for r in wanted], rows=wanted, num_top=top)
+        out = {}
+        for i, r in enumerate(wanted):
+            chosen, alternatives = lp.row(i, rows[r].request.params.logprobs or 0)
+            out[r] = TokenLogprob(tokens[r], chosen, alternatives)
+        return out
+
+    # ---- independent rows: greedy, sampling, n, best_of -------------------------------------------
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         req = seq.request
+        params = req.params
+        seq.token_ids.append(token)
+        req.generated_tokens += 1
+        self.stats.tokens_generated += 1
+        if logprob is not None:
+            seq.cumulative_logprob += logprob.logprob
+            if params.logprobs is not None:
+                seq.logprobs.append(logprob)
+        finishing = token in req.finishing_ids
+        text = self._texts.get(seq.seq_id)
+        if text is not None and not finishing:
+            text.detok.push(token)
+        if finishing:
+            self._finish_row(seq, "stop")
+        elif text is not None and params.stop and self._hit_stop_string(text, params.stop):
+            self._finish_row(seq, "stop")
+        elif seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self._finish_row(seq, "length")
+        elif text is not None:
+            ready = len(text.detok.text) - holdback(params.stop)
+            delta = ""
+            if ready > text.sent:
+                delta, text.sent = text.detok.text[text.sent : ready], ready
+            self._emit(req, seq.index, delta, [token], None, seq.num_output, seq.logprobs[-1:] or None)
+
+    @staticmethod
+    def _hit_stop_string(text: SequenceText, stops: tuple[str, ...]) -> bool:
+        """True (and the text cut before it) once a stop string appears in the generated text."""
+        cut = find_stop(text.detok.text, stops, text.stop_checked)
+        text.stop_checked = max(0, len(text.detok.text) - holdback(stops))
+        if cut is None:
+            return False
+        text.detok.text = text.detok.text[:cut]
+        text.cut = True
+        return True
+
+    def _finish_row(self, seq: Sequence, reason: str) -> None:
+        req = seq.request
+        seq.finish_reason = reason
+        req.rows.remove(seq)
+        req.done_rows.append(seq)
+        self.scheduler.release_row(seq)
+        if req.streams:
+            text = self._texts.pop(seq.seq_id)
+            if not text.cut:
+                text.detok.flush()
+            last = not req.rows
+            if last:
+                self._close_request(req, reason)
+            self._emit(req, seq.index, text.detok.text[text.sent :], seq.token_ids[-1:], reason,
+                       seq.num_output, seq.logprobs[-1:] or None, request_done=last)
+        elif not req.rows:  # best_of: every sample is in; return the n most likely
+            self._close_request(req, reason)
+            ranked = rank_samples([s.cumulative_logprob for s in req.done_rows], req.params.n)
+            chosen = [req.done_rows[i] for i in ranked]
+            self._emit_final(req, [(s.output_ids, s.finish_reason or "length", s.logprobs or None) for s in chosen])
+
+    # ---- beams ------------------------------------------------------------------------------------------
+    def _remember_beam_logprobs(self, req: EngineRequest, logits: torch.Tensor, scores: torch.Tensor) -> None:
+        """Keep the raw logprob of every token a beam may append this step (which path wins is
+        known only at the end), keyed by the generated tokens it would complete."""
+        k = req.params.logprobs or 0
+        logp = logits.float().log_softmax(dim=-1)
+        top = logp.topk(k, dim=-1) if k else None
+        width = min(2 * len(req.rows) + len(req.finishing_ids) + 1, scores.shape[-1])
+        likely = scores.topk(width, dim=-1).indices.tolist()  # the beam picks by processed scores
+        for r, seq in enumerate(req.rows):
+            prefix = tuple(seq.output_ids)
+            alternatives = list(zip(top.indices[r].tolist(), top.values[r].tolist())) if top else []
+            for token in {*likely[r], *req.finishing_ids}:
+                req.beam_logprobs[(*prefix, token)] = TokenLogprob(token, float(logp[r, token]), alternatives)  # type: ignore[index]
+
+    def _beam_path_logprobs(self, req: EngineRequest, token_ids: list[int]) -> list[TokenLogprob] | None:
+        entries = [req.beam_logprobs.get(tuple(token_ids[: i + 1])) for i in range(len(token_ids))]  # type: ignore[union-attr]
+        return None if any(e is None for e in entries) else entries  # type: ignore[return-value]
+
+    @staticmethod
+    def _step_searches(reqs: list[EngineRequest], scores: list[torch.Tensor]) -> list[BeamStep]:
+        """Plain beam searches share one batched top-k; group beam searches step on their own."""
+        plain = [i for i, r in enumerate(reqs) if isinstance(r.search, BeamSearch)]
+        steps: list[BeamStep | None] = [None] * len(reqs)
+        batched = step_beam_searches([reqs[i].search for i in plain], [scores[i] for i in plain])
+        for i, beam_step in zip(plain, batched):
+            steps[i] = beam_step
+        for i, req in enumerate(reqs):
+            if steps[i] is None:
+                steps[i] = req.search.step(scores[i])  # type: ignore[union-attr]
+        return steps  # type: ignore[return-value]
+
+    def _apply_beam_step(self, req: EngineRequest, beam_step: BeamStep) -> None:
+        if beam_step.done:
+            self._finish_beams(req)
+            return
+        children = []
+        for parent_index, token in zip(beam_step.parents, beam_step.tokens):
+            parent = req.rows[parent_index]
+            child = Sequence(req, [*parent.token_ids, token], parent.prompt_len, index=len(children))
+            child.num_computed = parent.num_computed
+            child.block_table = self.pool.share(parent.block_table)
+            children.append(child)
+        for parent in req.rows:
+            self.scheduler.release_row(parent)
+        req.rows[:] = children
+        req.generated_tokens += len(children)
+        self.stats.tokens_generated += len(children)
+        if children and len(children[0].token_ids) >= self.max_model_len:
+            self._finish_beams(req)
+
+    def _finish_beams(self, req: EngineRequest) -> None:
+        hypotheses: list[Hypothesis] = req.search.finalize()  # type: ignore[union-attr]
+        self._close_request(req, hypotheses[0].finish_reason if hypotheses else "length")
+        self._emit_final(req, [
+            (h.token_ids, h.finish_reason,
+             self._beam_path_logprobs(req, h.token_ids) if req.beam_logprobs is not None else None)
+            for h in hypotheses
+        ])
+
+    # ---- outputs and endings ------------------------------------------------------------------------
+    def _emit_final(self, req: EngineRequest, choices: list[tuple[list[int], str, list | None]]) -> None:
+        """Send whole choices at once (beams, best_of), applying stop strings to each."""
+        for index, (token_ids, reason, logprobs) in enumerate(choices):
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            cut = find_stop(text, req.params.stop) if req.params.stop else None
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+            elif token_ids and token_ids[-1] in req.finishing_ids:
+                reason = "stop"
+            self._emit(req, index, text, list(token_ids), reason, len(token_ids), logprobs,
+                       request_done=index == len(choices) - 1)
+
+    def _emit(
+        self,
+        req: EngineRequest,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        completion_tokens: int,
+        logprobs: list[TokenLogprob] | None = None,
+        error: str | None = None,
+        request_done: bool = False,
+    ) -> None:
         req.emit(
             RequestOutput(
                 request_id=req.request_id,
-                index=seq.index,
+                index=index,
                 text=text,
                 token_ids=token_ids,
-                finish_reason=seq.finish_reason,
-                prompt_tokens=seq.prompt_len,
-                completion_tokens=seq.num_output,
+                finish_reason=finish_reason,
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=completion_tokens,
+                logprobs=logprobs,
                 error=error,
+                request_done=request_done,
             )
         )
 
-    def _retire(self, seq: Sequence, text: str, error: str | None = None) -> None:
-        """Finish `seq`: free its blocks now, record the request if it is done, send the last delta."""
-        self.scheduler.remove(seq)
-        self._texts.pop(seq.seq_id, None)
-        req = seq.request
-        if all(s.finished for s in req.seqs):
-            self._requests.pop(req.request_id, None)
-            self._record_request_end(req, seq.finish_reason)  # before the client can see the end
-        last = seq.token_ids[-1:] if seq.num_output and seq.finish_reason not in ("abort", "error") else []
-        self._emit(seq, text, last, error)
+    def _close_request(self, req: EngineRequest, reason: str) -> None:
+        """The request is over: free every block it still holds and record it (before the client
+        sees its last output, so metrics are never behind the responses)."""
+        req.finished = True
+        self.scheduler.remove(req)
+        for seq in req.done_rows:
+            self._texts.pop(seq.seq_id, None)
+        self._requests.pop(req.request_id, None)
+        self._record_request_end(req, reason)
 
-    def _fail(self, requests: set[EngineRequest], message: str) -> None:
-        for req in requests:
-            for seq in req.seqs:
-                if not seq.finished:
-                    seq.finish_reason = "error"
-                    self._retire(seq, text="", error=message)
+    def _end_request(self, req: EngineRequest, reason: str, error: str | None = None) -> None:
+        """Abort or fail a request that has not finished: one last output ends its stream."""
+        if req.finished:
+            return
+        for seq in req.rows:
+            self._texts.pop(seq.seq_id, None)
+        self._close_request(req, reason)
+        self._emit(req, 0, "", [], reason, 0, error=error, request_done=True)
 
     def fail_all(self, message: str) -> None:
         """Fail every request in the engine (used when the loop itself must stop)."""
         self._drain_inbox()
-        self._fail(set(self._requests.values()), message)
+        for req in list(self._requests.values()):
+            self._end_request(req, "error", message)
 
-    # ---- statistics and metrics ------------------------------------------------------------------
+    # ---- statistics and metrics ----------------------------------------------------------------------
     def _record_schedule(self, plan: StepPlan) -> None:
         self.stats.preemptions += len(plan.preempted)
         used = self.pool.num_blocks - self.pool.num_free
@@ -256,7 +461,7 @@ class Engine:
         now = time.monotonic()
         strategy = req.params.strategy
         prompt_tokens = len(req.prompt_ids)
-        generated = sum(s.num_output for s in req.seqs)
+        generated = req.generated_tokens
         queue_s = (req.first_scheduled_time or now) - req.arrival_time
         e2e_s = now - req.arrival_time
         log.info(

@@ -1,30 +1,52 @@
-"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+"""Iteration-level scheduling: which requests run in the next step, and how many tokens each row.
 
-Running sequences go first (oldest first), each taking one decode token or its next prefill chunk,
-under a per-step token budget so a long prompt never stalls everyone else. Waiting sequences join
-while the budget, the sequence cap and the KV pool allow. When the pool cannot hold the running set,
-the youngest running sequence is preempted: its blocks are freed and it is recomputed later.
+The unit is the request (its rows: one sequence, or its `n` samples, or its beams), because a
+request's rows must sample in the same step: beam search needs every beam's scores at once.
+Running requests go first (oldest first), each row taking one decode token or its next prefill
+chunk, under a per-step token budget so a long prompt never stalls everyone else. When a request's
+rows cannot all finish their pending tokens in this step, each row stops one token short so they
+all sample together later. Waiting requests join while the budget, the row cap and the KV pool
+allow. When the pool cannot hold the running set, the youngest running request is preempted: its
+blocks are freed and it is recomputed later.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from server.engine.block_pool import BlockPool, OutOfBlocks
 from server.engine.model_runner import WorkItem
 from server.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from server.engine.request import EngineRequest
 
 
 @dataclass
 class StepPlan:
     items: list[WorkItem] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[EngineRequest] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(i.num_new for i in self.items)
+
+
+def plan_rows(rows: list[Sequence], budget: int) -> list[WorkItem]:
+    """Chunks for one request's rows: all to the end if they fit, else each stops one short."""
+    pending = [s.num_pending for s in rows]
+    if sum(pending) <= budget:
+        return [WorkItem(s, p) for s, p in zip(rows, pending) if p > 0]
+    items = []
+    for seq, p in zip(rows, pending):
+        n = min(p - 1, budget)
+        if n > 0:
+            items.append(WorkItem(seq, n))
+            budget -= n
+    return items
 
 
 class Scheduler:
@@ -32,14 +54,18 @@ class Scheduler:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, request: EngineRequest) -> None:
+        self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_running_rows(self) -> int:
+        return sum(r.width for r in self.running)
 
     def _reserve(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
         """Give `seq` room for `num_new` more tokens, privately owned where they are written."""
@@ -50,49 +76,60 @@ class Scheduler:
             if copy is not None:
                 plan.copies.append(copy)
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        self.pool.release(seq.block_table)
-        seq.num_computed = 0
-        self.waiting.appendleft(seq)
-        plan.preempted.append(seq)
+    def _blocks_needed(self, items: list[WorkItem]) -> int:
+        return sum(self.pool.blocks_needed(i.seq.block_table, i.seq.num_computed + i.num_new) for i in items)
+
+    def _preempt(self, request: EngineRequest, plan: StepPlan) -> None:
+        for seq in request.rows:
+            self.pool.release(seq.block_table)
+            seq.num_computed = 0
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_pending, budget)
+            request = self.running[i]
+            items = plan_rows(request.rows, budget)
             try:
-                self._reserve(seq, num_new, plan)
+                for item in items:
+                    self._reserve(item.seq, item.num_new, plan)
             except OutOfBlocks:
-                victim = self.running.pop()
-                self._preempt(victim, plan)
+                self._preempt(self.running.pop(), plan)
                 continue
-            plan.items.append(WorkItem(seq, num_new))
-            budget -= num_new
+            plan.items.extend(items)
+            budget -= sum(item.num_new for item in items)
             i += 1
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-            and not plan.preempted
-        ):
-            seq = self.waiting[0]
-            num_new = min(seq.num_pending, budget)
-            if self.pool.blocks_needed(seq.block_table, seq.num_computed + num_new) > self.pool.num_free:
+        while self.waiting and budget > 0 and not plan.preempted:
+            request = self.waiting[0]
+            if self.running and self.num_running_rows + request.width > self.max_num_seqs:
                 break
-            self._reserve(seq, num_new, plan)
+            items = plan_rows(request.rows, budget)
+            if not items or self._blocks_needed(items) > self.pool.num_free:
+                break
+            try:
+                for item in items:
+                    self._reserve(item.seq, item.num_new, plan)
+            except OutOfBlocks:  # only possible with shared blocks to copy; retry next step
+                break
             self.waiting.popleft()
-            self.running.append(seq)
-            plan.items.append(WorkItem(seq, num_new))
-            budget -= num_new
+            self.running.append(request)
+            plan.items.extend(items)
+            budget -= sum(item.num_new for item in items)
         return plan
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out and return its blocks at once."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+    def release_row(self, seq: Sequence) -> None:
+        """A row leaves its request (finished, or replaced by its beam children): free its blocks."""
         self.pool.release(seq.block_table)
+
+    def remove(self, request: EngineRequest) -> None:
+        """Take a finished or aborted request out and return all its blocks at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        for seq in request.rows:
+            self.pool.release(seq.block_table)
+        request.rows.clear()

@@ -22,6 +22,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose keys/values are in the cache
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    cumulative_logprob: float = 0.0  # raw-model log-likelihood of the output (best_of ranks by it)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for
 
     @property
     def output_ids(self) -> list[int]:

@@ -1,0 +1,103 @@
+"""Diverse (group) beam search, Vijayakumar et al. 2016, with HF 4.55 `_group_beam_search` semantics.
+
+`num_beams` beams split into `num_beam_groups` groups of S beams. Each group is its own beam
+search (own running beams, own finished set and stopping test: `BeamGroup`). Within one step the
+groups choose in order, and group g's log-probs are lowered by `diversity_penalty` times the
+number of times each token was just chosen by the running beams of groups 0..g-1 (Hamming
+diversity). At the end the finished sets of all groups are pooled and the best `n` returned.
+
+Same engine contract as `BeamSearch`: one prompt row first (every group starts from it), then the
+beams of the groups still running, group after group.
+
+Deviations from HF, both deliberate:
+- HF applies the Hamming term before the repetition penalty (its processor list order); the
+  engine hands us fully processed scores, so we subtract it after. Every other processor is
+  additive or a -inf mask and commutes; results differ only when repetition_penalty != 1.
+- A group that is done stops using rows. HF keeps running it on pad tokens, whose pad ids then
+  count in the Hamming term of later groups; here a done group contributes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from decoding.beam_search import BeamGroup, BeamStep, Hypothesis, best_hypotheses
+from decoding.params import DecodingParams
+
+
+class GroupBeamSearch:
+    def __init__(
+        self,
+        params: DecodingParams,
+        eos_ids: Sequence[int] | frozenset[int],
+        *,
+        max_new_tokens: int | None = None,
+    ) -> None:
+        if params.strategy != "group_beam":
+            raise ValueError(f"GroupBeamSearch needs num_beam_groups > 1, got {params.strategy!r}")
+        self.params = params
+        self.diversity_penalty = params.diversity_penalty
+        size = params.num_beams // params.num_beam_groups
+        limit = params.max_tokens if max_new_tokens is None else min(max_new_tokens, params.max_tokens)
+        finishing = params.finishing_ids(eos_ids)
+        self.groups = [
+            BeamGroup(size, finishing, params.length_penalty, params.early_stopping, max(1, limit), g)
+            for g in range(params.num_beam_groups)
+        ]
+        self._first = True
+
+    @property
+    def done(self) -> bool:
+        return not any(g.active for g in self.groups)
+
+    @property
+    def num_rows(self) -> int:
+        if self.done:
+            return 0
+        return 1 if self._first else sum(len(g.beam_tokens) for g in self.groups if g.active)
+
+    @property
+    def rows_output_ids(self) -> list[list[int]]:
+        if self.done:
+            return []
+        if self._first:
+            return [[]]
+        return [list(t) for g in self.groups if g.active for t in g.beam_tokens]
+
+    def step(self, scores: torch.Tensor) -> BeamStep:
+        """Advance every running group with the processed scores [num_rows, V] of its rows."""
+        if self.done:
+            raise RuntimeError("group beam search is done; call finalize()")
+        if scores.shape[0] != self.num_rows:
+            raise ValueError(f"expected {self.num_rows} rows of scores, got {scores.shape[0]}")
+        vocab = scores.shape[-1]
+        chosen: list[int] = []  # tokens taken this step by the running beams of earlier groups
+        new_beams: list[tuple[BeamGroup, list[int], list[int]]] = []
+        offset = 0
+        for group in self.groups:
+            if not group.active:
+                continue
+            rows = 1 if self._first else len(group.beam_tokens)
+            start = 0 if self._first else offset
+            offset += 0 if self._first else rows
+            group_scores = scores[start : start + rows]
+            if chosen and self.diversity_penalty:
+                counts = torch.bincount(torch.tensor(chosen), minlength=vocab).to(scores.device)
+                group_scores = group_scores - self.diversity_penalty * counts
+            parents, tokens = group.advance(group.top_candidates(group.accumulate(group_scores), vocab))
+            chosen += tokens
+            new_beams.append((group, [start + p for p in parents], tokens))
+        self._first = False
+        if self.done:
+            return BeamStep([], [], True)
+        parents = [p for g, ps, _ in new_beams if g.active for p in ps]
+        tokens = [t for g, _, ts in new_beams if g.active for t in ts]
+        return BeamStep(parents, tokens, False)
+
+    def finalize(self) -> list[Hypothesis]:
+        """The `n` best hypotheses over all groups, best first. Ends the search."""
+        for group in self.groups:
+            group.close()
+        return best_hypotheses(self.groups, self.params.n)

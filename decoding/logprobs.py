@@ -1,0 +1,63 @@
+"""Log-probabilities returned to clients: the chosen token's and the top-K alternatives.
+
+Which distribution: the **raw model distribution**, `log_softmax` of the unprocessed logits at
+temperature 1, as OpenAI documents and vLLM returns by default (`logprobs_mode="raw_logprobs"`):
+a client can compare them across requests whatever their penalties or temperature. Pass the
+processed scores instead if you ever want the sampled distribution; nothing here assumes which.
+
+Beam hypothesis scores are a different thing: like HF they accumulate the *processed* log-probs
+(after penalties and bans, and warpers for beam sampling); see beam_search.py. Sample-and-rank
+(best_of) ranks on the raw cumulative log-probability of each sample, i.e. the model's likelihood
+(Meena), computed with this function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenLogprobs:
+    chosen: torch.Tensor  # [N] float: logprob of each (row, token) pair
+    top_ids: torch.Tensor  # [N, K] long, best first
+    top_logprobs: torch.Tensor  # [N, K] float
+
+    def row(self, i: int, k: int | None = None) -> tuple[float, list[tuple[int, float]]]:
+        """Python values of pair i: (chosen logprob, [(token, logprob)] of its first k alternatives)."""
+        k = self.top_ids.shape[1] if k is None else k
+        ids = self.top_ids[i, :k].tolist()
+        lps = self.top_logprobs[i, :k].tolist()
+        return float(self.chosen[i]), list(zip(ids, lps))
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor | Sequence[int],
+    *,
+    rows: torch.Tensor | Sequence[int] | None = None,
+    num_top: int = 0,
+) -> TokenLogprobs:
+    """Logprobs of `token_ids[i]` under row `rows[i]` of `logits` [R, V] (rows default to 0..N-1).
+
+    `rows` lets beam search ask for several children of one parent row. `num_top` is the largest K
+    any pair needs; slice per request with `TokenLogprobs.row(i, k)`.
+    """
+    device = logits.device
+    tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    index = (
+        torch.arange(len(tokens), device=device)
+        if rows is None
+        else torch.as_tensor(rows, dtype=torch.long, device=device)
+    )
+    logp = logits.index_select(0, index).float().log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if num_top > 0:
+        top = logp.topk(min(num_top, logp.shape[-1]), dim=-1)
+        top_ids, top_lps = top.indices, top.values
+    else:
+        top_ids = torch.empty((len(tokens), 0), dtype=torch.long, device=device)
+        top_lps = torch.empty((len(tokens), 0), dtype=torch.float32, device=device)
+    return TokenLogprobs(chosen=chosen, top_ids=top_ids, top_logprobs=top_lps)

@@ -1,0 +1,163 @@
+"""Logits processors (penalties, bans, bias) for a batch of rows that each carry their own params.
+
+Order, as Hugging Face `generate()` builds its list (`_get_logits_processor`): logit bias (HF
+`sequence_bias`), repetition penalty, [presence/frequency: OpenAI, not in HF; placed right after
+the repetition penalty as vLLM does], no-repeat-n-gram, bad words, min new tokens. The last three
+only ban tokens (-inf), so they commute with everything and are merged into one list of bans;
+bias and the repetition penalty do not commute, hence bias first like HF (vLLM too).
+
+Everything that depends on the token history is computed in `build_processor_tensors` from the
+Python token lists the engine already holds, as sparse (row, token) pairs: applying them touches
+only those entries (gather / scatter like HF's repetition penalty), never a dense [R, V] mask.
+A processor no row uses builds nothing and costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decoding.params import DecodingParams
+
+TokenIds = Sequence[int]
+
+
+@dataclass
+class Pairs:
+    """Entries (rows[i], tokens[i]) of a [R, V] score matrix, with one value each."""
+
+    rows: torch.Tensor  # [N] long
+    tokens: torch.Tensor  # [N] long
+    values: torch.Tensor  # [N] float32 (unused for bans)
+
+    @classmethod
+    def build(
+        cls,
+        entries: list[tuple[int, int, float]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> Pairs | None:
+        kept = [e for e in entries if e[1] < vocab_size]  # never let a bad id crash a shared batch
+        if not kept:
+            return None
+        rows, tokens, values = zip(*kept)
+        return cls(
+            torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device),
+        )
+
+
+@dataclass
+class ProcessorTensors:
+    logit_bias: Pairs | None = None  # value: bias
+    repetition: Pairs | None = None  # value: penalty; one pair per distinct token of prompt + output
+    presence_frequency: Pairs | None = None  # value: frequency * count + presence, output tokens
+    banned: Pairs | None = None  # n-gram, bad words, min tokens
+
+    @property
+    def empty(self) -> bool:
+        return all(v is None for v in vars(self).values())
+
+
+def build_processor_tensors(
+    params: Sequence[DecodingParams],
+    prompt_ids: Sequence[TokenIds],
+    output_ids: Sequence[TokenIds],
+    eos_ids: Sequence[int] | frozenset[int],
+    vocab_size: int,
+    device: torch.device | str,
+) -> ProcessorTensors:
+    """Per-row processor entries; fields stay None when no row uses that processor."""
+    bias: list[tuple[int, int, float]] = []
+    repetition: list[tuple[int, int, float]] = []
+    penalties: list[tuple[int, int, float]] = []
+    bans: list[tuple[int, int, float]] = []
+    for r, p in enumerate(params):
+        if p.logit_bias:
+            bias += [(r, token, b) for token, b in p.logit_bias.items()]
+        if p.repetition_penalty != 1.0:
+            seen = set(prompt_ids[r]).union(output_ids[r])
+            repetition += [(r, token, p.repetition_penalty) for token in seen]
+        if p.presence_penalty or p.frequency_penalty:
+            counts = Counter(output_ids[r])
+            penalties += [
+                (r, token, p.frequency_penalty * c + p.presence_penalty) for token, c in counts.items()
+            ]
+        if p.no_repeat_ngram_size:
+            history = torch.tensor(list(prompt_ids[r]) + list(output_ids[r]), dtype=torch.long)
+            bans += [(r, t, 0.0) for t in ngram_bans(history, p.no_repeat_ngram_size).tolist()]
+        if p.bad_words_ids:
+            bans += [(r, t, 0.0) for t in bad_word_bans(prompt_ids[r], output_ids[r], p.bad_words_ids, eos_ids)]
+        if p.min_tokens and len(output_ids[r]) < p.min_tokens:
+            bans += [(r, t, 0.0) for t in p.finishing_ids(eos_ids)]
+    return ProcessorTensors(
+        logit_bias=Pairs.build(bias, vocab_size, device),
+        repetition=Pairs.build(repetition, vocab_size, device),
+        presence_frequency=Pairs.build(penalties, vocab_size, device),
+        banned=Pairs.build(bans, vocab_size, device),
+    )
+
+
+def apply_processors_(scores: torch.Tensor, t: ProcessorTensors) -> torch.Tensor:
+    """Process `scores` [R, V] in place (the caller owns it) and return it."""
+    if t.logit_bias is not None:
+        b = t.logit_bias
+        scores.index_put_((b.rows, b.tokens), b.values, accumulate=True)
+    if t.repetition is not None:
+        rp = t.repetition
+        old = scores[rp.rows, rp.tokens]
+        # HF semantics: push the score toward "less likely" whatever its sign.
+        scores[rp.rows, rp.tokens] = torch.where(old < 0, old * rp.values, old / rp.values)
+    if t.presence_frequency is not None:
+        pf = t.presence_frequency
+        scores.index_put_((pf.rows, pf.tokens), -pf.values, accumulate=True)
+    if t.banned is not None:
+        scores[t.banned.rows, t.banned.tokens] = float("-inf")
+    return scores
+
+
+def ngram_bans(history: torch.Tensor, n: int) -> torch.Tensor:
+    """Tokens that would repeat an n-gram of `history` (prompt + output), as HF bans them.
+
+    The next token completes the n-gram (last n-1 tokens, next); every earlier window whose first
+    n-1 tokens equal that suffix bans its own last token.
+    """
+    length = history.shape[0]
+    if length < n:
+        return history.new_empty(0)
+    windows = history.unfold(0, n, 1)  # [length - n + 1, n]
+    suffix = history[length - n + 1 :]
+    match = (windows[:, :-1] == suffix).all(dim=1)
+    return windows[match, -1].unique()
+
+
+def bad_word_bans(
+    prompt: TokenIds,
+    output: TokenIds,
+    bad_words: Sequence[Sequence[int]],
+    eos_ids: Sequence[int] | frozenset[int],
+) -> list[int]:
+    """Last tokens of bad words whose other tokens end the history (single tokens: always).
+
+    As HF's NoBadWordsLogitsProcessor, a bad word that is exactly one EOS id is ignored, so a
+    client cannot forbid the model from ever ending.
+    """
+    eos = set(eos_ids)
+    banned: list[int] = []
+    tail: list[int] | None = None
+    longest = max(len(w) for w in bad_words) - 1
+    for word in bad_words:
+        if len(word) == 1:
+            if word[0] not in eos:
+                banned.append(word[0])
+            continue
+        if tail is None:  # only the last `longest` tokens can matter
+            tail = (list(prompt) + list(output))[-longest:] if longest else []
+        k = len(word) - 1
+        if k <= len(tail) and tail[len(tail) - k :] == list(word[:-1]):
+            banned.append(word[-1])
+    return banned

@@ -1,0 +1,132 @@
+"""Warpers (temperature, top-k, top-p, min-p, typical-p), per row, in HF `generate()` order.
+
+They only run on rows that sample (plain sampling, best_of and beam sampling); greedy and
+deterministic beam rows skip them as HF does with `do_sample=False`. Each warper reproduces HF's
+rule exactly (ties at the top-k threshold are kept, top-p cuts on the ascending cumulative sum,
+...), so the kept support is token-for-token HF's. Each warper runs only on the rows that use it
+(a sort of 32 x 262k scores costs what it costs; a batch where one row asks for top-p should pay
+for one row); the other rows are left bit-identical, and a warper no row uses costs nothing.
+
+`min_keep` is HF's `min_tokens_to_keep`: 1 when sampling, (number of EOS ids + 1) for beam
+sampling, so that a beam can always continue with a non-EOS token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decoding.params import DecodingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class RowParams:
+    """The rows a warper acts on and their parameter values (one per listed row)."""
+
+    rows: torch.Tensor  # [M] long
+    values: torch.Tensor  # [M, 1] float, or [M] long for top-k
+    min_keep: torch.Tensor  # [M] long
+
+
+@dataclass
+class WarperTensors:
+    temperature: RowParams | None = None
+    top_k: RowParams | None = None  # values: effective k = max(top_k, min_keep), <= V
+    top_p: RowParams | None = None
+    min_p: RowParams | None = None
+    typical_p: RowParams | None = None
+
+
+def build_warper_tensors(
+    params: Sequence[DecodingParams],
+    warped: Sequence[bool],
+    min_keep: Sequence[int],
+    vocab_size: int,
+    device: torch.device | str,
+) -> WarperTensors | None:
+    """Warper rows among those flagged in `warped`; None when no row needs any warper."""
+
+    def select(value: Callable[[DecodingParams, int], float | None], dtype: torch.dtype) -> RowParams | None:
+        """Rows whose `value(params, min_keep)` is not None (None: this warper is off there)."""
+        chosen = [(r, v) for r, w in enumerate(warped) if w and (v := value(params[r], min_keep[r])) is not None]
+        if not chosen:
+            return None
+        rows, values = zip(*chosen)
+        tensor = torch.tensor(values, dtype=dtype, device=device)
+        return RowParams(
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            values=tensor if dtype == torch.long else tensor.unsqueeze(1),
+            min_keep=torch.tensor([min_keep[r] for r in rows], dtype=torch.long, device=device),
+        )
+
+    f32 = torch.float32
+    t = WarperTensors(
+        temperature=select(lambda p, k: p.temperature if p.temperature != 1.0 else None, f32),
+        top_k=select(lambda p, k: min(max(p.top_k, k), vocab_size) if 0 < p.top_k < vocab_size else None, torch.long),
+        top_p=select(lambda p, k: p.top_p if p.top_p < 1.0 else None, f32),
+        min_p=select(lambda p, k: p.min_p if p.min_p > 0.0 else None, f32),
+        typical_p=select(lambda p, k: p.typical_p if p.typical_p < 1.0 else None, f32),
+    )
+    return None if all(v is None for v in vars(t).values()) else t
+
+
+def apply_warpers_(scores: torch.Tensor, t: WarperTensors | None) -> torch.Tensor:
+    """Warp the listed rows of `scores` in place (the caller owns it); other rows stay bit-identical."""
+    if t is None:
+        return scores
+    if t.temperature is not None:
+        rows = t.temperature.rows
+        scores[rows] = scores[rows] / t.temperature.values
+    in_order = ((top_k_warp, t.top_k), (top_p_warp, t.top_p), (min_p_warp, t.min_p), (typical_warp, t.typical_p))
+    for warp, rp in in_order:
+        if rp is not None:
+            scores[rp.rows] = warp(scores[rp.rows], rp.values, rp.min_keep)
+    return scores
+
+
+def top_k_warp(scores: torch.Tensor, k: torch.Tensor, min_keep: torch.Tensor) -> torch.Tensor:
+    """Drop scores below each row's k-th largest (ties with it stay, as HF). `k` >= min_keep."""
+    kth = scores.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    return scores.masked_fill(scores < kth, NEG_INF)
+
+
+def top_p_warp(scores: torch.Tensor, top_p: torch.Tensor, min_keep: torch.Tensor) -> torch.Tensor:
+    """HF nucleus: drop the low tail whose ascending cumulative mass is <= 1 - top_p."""
+    sorted_scores, order = scores.sort(dim=-1, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - top_p)
+    vocab = scores.shape[-1]
+    from_end = vocab - 1 - torch.arange(vocab, device=scores.device)
+    drop &= from_end.unsqueeze(0) >= min_keep.unsqueeze(1)  # the last min_keep always stay
+    return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+
+
+def min_p_warp(scores: torch.Tensor, min_p: torch.Tensor, min_keep: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one (min_p 0 keeps all)."""
+    probs = scores.softmax(dim=-1)
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    kmax = int(min_keep.max())
+    top = probs.topk(kmax, dim=-1).indices
+    rank = torch.arange(kmax, device=scores.device).unsqueeze(0)
+    keep = torch.zeros_like(drop).scatter_(1, top, rank < min_keep.unsqueeze(1))
+    return scores.masked_fill(drop & ~keep, NEG_INF)
+
+
+def typical_warp(scores: torch.Tensor, mass: torch.Tensor, min_keep: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022), HF's rule for the cut."""
+    logp = scores.log_softmax(dim=-1)
+    entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)
+    shifted = (-logp - entropy).abs()
+    sorted_shifted, order = shifted.sort(dim=-1, descending=False)
+    cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass).sum(dim=1).clamp(max=scores.shape[-1] - 1)
+    drop = sorted_shifted > sorted_shifted.gather(1, last.unsqueeze(1))
+    positions = torch.arange(scores.shape[-1], device=scores.device).unsqueeze(0)
+    drop &= positions >= min_keep.unsqueeze(1)
+    return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+
+
