@@ -23,9 +23,17 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+        "top_logprobs": [_top_dict(tokenizer, e.top) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _top_dict(tokenizer: PreTrainedTokenizerBase, top: list[tuple[int, float]]) -> dict[str, float]:
+    """The legacy shape keys alternatives by text; tokens that decode alike keep the likeliest."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(token_text(tokenizer, token_id), logprob)
+    return out
 
 
 def _chat_entry(tokenizer: PreTrainedTokenizerBase, token_id: int, logprob: float) -> dict:
