@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -86,6 +87,14 @@ def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int
     return list(ids)
 
 
+# Request fields that pass to DecodingParams unchanged (the rest are converted below).
+_SHARED_FIELDS = tuple(
+    f.name for f in dataclasses.fields(DecodingParams)
+    if f.name in SamplingFields.model_fields
+    and f.name not in ("max_tokens", "stop", "stop_token_ids", "logit_bias", "bad_words_ids")
+)
+
+
 def decoding_params(
     ctx: ServingContext, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None
 ) -> DecodingParams:
@@ -112,32 +121,14 @@ def decoding_params(
             "max_tokens" if room >= 1 else "prompt",
             "context_length_exceeded",
         )
+    same_name = {name: getattr(req, name) for name in _SHARED_FIELDS}
     params = DecodingParams(
+        **same_name,
         max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_k=req.top_k,
-        top_p=req.top_p,
-        seed=req.seed,
         stop=stops,
         stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        n=req.n,
-        min_p=req.min_p,
-        typical_p=req.typical_p,
-        repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        no_repeat_ngram_size=req.no_repeat_ngram_size,
-        min_tokens=req.min_tokens,
         logit_bias=req.logit_bias or {},
         bad_words_ids=_bad_words(ctx, req),
-        best_of=req.best_of,
-        num_beams=req.num_beams,
-        num_beam_groups=req.num_beam_groups,
-        diversity_penalty=req.diversity_penalty,
-        length_penalty=req.length_penalty,
-        early_stopping=req.early_stopping,
-        do_sample=req.do_sample,
         logprobs=logprobs,
     )
     check_caps(params, max(cfg.max_n, cfg.max_best_of, cfg.max_num_beams), cfg.max_logprobs, ctx.vocab_size)
