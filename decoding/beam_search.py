@@ -20,7 +20,8 @@ Engine contract: the request starts as ONE row (its prefilled prompt); `step()` 
 processed scores of the rows it asked for (1 row first, then one per beam returned, in that
 order) and answers, for each new beam, the row it continues (`parents`) and its new token.
 The engine forks KV blocks from the parent (shared prefix, copy-on-write). When `done`, run no
-more rows and call `finalize()`. `finalize()` may also be called early (context full, abort).
+more rows and call `finalize()` (that step's beams are still listed: at the length limit they
+join the result). `finalize()` may also be called early (context full, abort).
 
 Deviation kept on purpose: HF seeds beams 1..W-1 with score -1e9 copies of the prompt; we start
 from one row and simply never continue -inf candidates, so a request whose processors leave fewer
@@ -31,8 +32,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, cast
 
 import torch
 
@@ -45,7 +46,10 @@ FinishReason = Literal["stop", "length"]
 class BeamStep:
     parents: list[int]  # for each new beam: index of the input row it continues
     tokens: list[int]  # for each new beam: the token it appends
-    done: bool  # no more rows to run: call finalize()
+    done: bool  # run no more rows (not even these beams) and call finalize()
+    # (input row, token) of each hypothesis finished at this step; with `parents`/`tokens` these
+    # are every (row, token) a returned hypothesis can hold, e.g. to look up logprobs.
+    finished: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,9 @@ class Hypothesis:
     sum_logprobs: float  # processed log-probs summed (warped ones for beam sampling)
     finish_reason: FinishReason
     group: int = 0  # beam group it came from (group beam search)
+    # rows[t]: index of the input row of step t that token_ids[t] was chosen from (HF's
+    # beam_indices, relative to each step's rows): (t, rows[t], token_ids[t]) identifies it.
+    rows: list[int] = field(default_factory=list)
 
 
 class FinishedHypotheses:
@@ -127,6 +134,7 @@ class BeamGroup:
         self.max_new_tokens = max_new_tokens
         self.finished = FinishedHypotheses(size, length_penalty, early_stopping, max_new_tokens)
         self.beam_tokens: list[list[int]] = [[]]  # one empty beam: the prompt row
+        self.beam_rows: list[list[int]] = [[]]  # input row of each step, per beam
         self.beam_scores = torch.zeros(1)  # float32 running sums, as HF keeps them
         self.scorer_done = False  # HF `_done`: stop, and do not add running beams at the end
 
@@ -136,7 +144,9 @@ class BeamGroup:
 
     @property
     def active(self) -> bool:
-        return bool(self.beam_tokens) and not self.scorer_done and self.generated < self.max_new_tokens
+        return (
+            bool(self.beam_tokens) and not self.scorer_done and self.generated < self.max_new_tokens
+        )
 
     def accumulate(self, scores: torch.Tensor) -> torch.Tensor:
         """[rows * V] candidate scores: each row's processed log-probs + its running score."""
@@ -163,18 +173,24 @@ class BeamGroup:
         values, order = flat[index].unsqueeze(0).sort(descending=True)
         return _candidates(values[0], index[order[0]], vocab_size)
 
-    def advance(self, cand: Candidates) -> tuple[list[int], list[int]]:
-        """HF `BeamSearchScorer.process` for one group: returns (parent rows, tokens) of new beams."""
+    def advance(
+        self, cand: Candidates, row_offset: int = 0
+    ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """HF `BeamSearchScorer.process` for one group. `cand.rows` index this group's rows, which
+        start at `row_offset` in the step's input. Returns the new beams' (parent rows, tokens)
+        (group-local) and the (input row, token) of the hypotheses finished now."""
         length = self.generated + 1  # new tokens including the one chosen now
         parents: list[int] = []
         tokens: list[int] = []
         scores: list[float] = []
+        finished: list[tuple[int, int]] = []
         for rank, (score, row, token) in enumerate(zip(cand.scores, cand.rows, cand.tokens)):
             if score == -math.inf:
                 break  # sorted: nothing finite follows
             if token in self.finishing_ids:
                 if rank >= self.size:
                     continue
+                finished.append((row_offset + row, token))
                 self.finished.add(
                     Hypothesis(
                         self.beam_tokens[row] + [token],
@@ -182,6 +198,7 @@ class BeamGroup:
                         score,
                         "stop",
                         self.index,
+                        self.beam_rows[row] + [row_offset + row],
                     )
                 )
             else:
@@ -193,16 +210,24 @@ class BeamGroup:
         if cand.scores:
             self.scorer_done = self.scorer_done or self.finished.is_done(cand.scores[0], length)
         self.beam_tokens = [self.beam_tokens[p] + [t] for p, t in zip(parents, tokens)]
+        self.beam_rows = [self.beam_rows[p] + [row_offset + p] for p in parents]
         self.beam_scores = torch.tensor(scores, dtype=torch.float32)
-        return parents, tokens
+        return parents, tokens, finished
 
     def close(self) -> None:
         """HF `finalize`: running beams join the finished set unless the scorer already stopped."""
         if not self.scorer_done:
-            for tokens, score in zip(self.beam_tokens, self.beam_scores.tolist()):
+            for tokens, rows, score in zip(
+                self.beam_tokens, self.beam_rows, self.beam_scores.tolist()
+            ):
                 self.finished.add(
                     Hypothesis(
-                        list(tokens), self.finished.score(score, len(tokens)), score, "length", self.index
+                        list(tokens),
+                        self.finished.score(score, len(tokens)),
+                        score,
+                        "length",
+                        self.index,
+                        rows,
                     )
                 )
             self.scorer_done = True
@@ -211,7 +236,9 @@ class BeamGroup:
 
 def _candidates(values: torch.Tensor, index: torch.Tensor, vocab_size: int) -> Candidates:
     flat = index.tolist()
-    return Candidates(values.tolist(), [i // vocab_size for i in flat], [i % vocab_size for i in flat])
+    return Candidates(
+        values.tolist(), [i // vocab_size for i in flat], [i % vocab_size for i in flat]
+    )
 
 
 def best_hypotheses(groups: Sequence[BeamGroup], n: int) -> list[Hypothesis]:
@@ -237,10 +264,10 @@ class BeamSearch:
         self.params = params
         self.num_beams = params.num_beams
         self.sampling = params.strategy == "beam_sample"
-        if self.sampling and generator is None and params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
-        self.generator = generator
-        limit = params.max_tokens if max_new_tokens is None else min(max_new_tokens, params.max_tokens)
+        self.generator = generator  # None + a seed: made on the scores' device at the first step
+        limit = (
+            params.max_tokens if max_new_tokens is None else min(max_new_tokens, params.max_tokens)
+        )
         self.group = BeamGroup(
             params.num_beams,
             params.finishing_ids(eos_ids),
@@ -269,6 +296,8 @@ class BeamSearch:
         vocab = scores.shape[-1]
         flat = self.group.accumulate(scores)
         if self.sampling:
+            if self.generator is None and self.params.seed is not None:
+                self.generator = torch.Generator(device=flat.device).manual_seed(self.params.seed)
             cand = self.group.sample_candidates(flat, vocab, self.generator, self.num_beams)
         else:
             cand = self.group.top_candidates(flat, vocab)
@@ -282,10 +311,8 @@ class BeamSearch:
 
     def apply(self, cand: Candidates) -> BeamStep:
         """Second half of `step()` (exposed so `step_beam_searches` can batch the top-k)."""
-        parents, tokens = self.group.advance(cand)
-        if self.done:
-            return BeamStep([], [], True)
-        return BeamStep(parents, tokens, False)
+        parents, tokens, finished = self.group.advance(cand)
+        return BeamStep(parents, tokens, self.done, finished)
 
     def finalize(self) -> list[Hypothesis]:
         """The `n` best hypotheses, best first. Ends the search."""
@@ -293,24 +320,32 @@ class BeamSearch:
         return best_hypotheses([self.group], self.params.n)
 
 
+class SupportsStep(Protocol):
+    def step(self, scores: torch.Tensor) -> BeamStep: ...
+
+
 def step_beam_searches(
-    searches: Sequence[BeamSearch], scores: Sequence[torch.Tensor]
+    searches: Sequence[SupportsStep], scores: Sequence[torch.Tensor]
 ) -> list[BeamStep]:
     """`[s.step(x) for s, x in zip(searches, scores)]`, with one top-k (and one host sync) for
-    every group of deterministic searches that have the same number of rows and candidates."""
+    every set of deterministic `BeamSearch`es with the same number of rows and candidates.
+    Beam sampling and group beam searches are stepped one by one."""
     results: list[BeamStep | None] = [None] * len(searches)
     buckets: dict[tuple[int, int, int], list[int]] = {}
     for i, (s, x) in enumerate(zip(searches, scores)):
-        if s.sampling:
+        if not isinstance(s, BeamSearch) or s.sampling:
             results[i] = s.step(x)
         else:
             s.check_rows(x)
             buckets.setdefault((x.shape[0], x.shape[1], s.group.num_candidates), []).append(i)
     for (rows, vocab, k), members in buckets.items():
-        flat = torch.stack([searches[i].group.accumulate(scores[i]) for i in members])
+        batch = [cast(BeamSearch, searches[i]) for i in members]
+        flat = torch.stack([b.group.accumulate(scores[i]) for b, i in zip(batch, members)])
         values, index = flat.topk(min(k, rows * vocab), dim=-1)
         values_l, index_l = values.tolist(), index.tolist()
-        for j, i in enumerate(members):
-            cand = Candidates(values_l[j], [x // vocab for x in index_l[j]], [x % vocab for x in index_l[j]])
-            results[i] = searches[i].apply(cand)
+        for j, (b, i) in enumerate(zip(batch, members)):
+            cand = Candidates(
+                values_l[j], [x // vocab for x in index_l[j]], [x % vocab for x in index_l[j]]
+            )
+            results[i] = b.apply(cand)
     return [r for r in results if r is not None]

@@ -1,4 +1,4 @@
-"""Diverse (group) beam search, Vijayakumar et al. 2016, with HF 4.55 `_group_beam_search` semantics.
+"""Diverse (group) beam search (Vijayakumar et al. 2016), as HF 4.55 `_group_beam_search`.
 
 `num_beams` beams split into `num_beam_groups` groups of S beams. Each group is its own beam
 search (own running beams, own finished set and stopping test: `BeamGroup`). Within one step the
@@ -40,10 +40,14 @@ class GroupBeamSearch:
         self.params = params
         self.diversity_penalty = params.diversity_penalty
         size = params.num_beams // params.num_beam_groups
-        limit = params.max_tokens if max_new_tokens is None else min(max_new_tokens, params.max_tokens)
+        limit = (
+            params.max_tokens if max_new_tokens is None else min(max_new_tokens, params.max_tokens)
+        )
         finishing = params.finishing_ids(eos_ids)
         self.groups = [
-            BeamGroup(size, finishing, params.length_penalty, params.early_stopping, max(1, limit), g)
+            BeamGroup(
+                size, finishing, params.length_penalty, params.early_stopping, max(1, limit), g
+            )
             for g in range(params.num_beam_groups)
         ]
         self._first = True
@@ -75,6 +79,7 @@ class GroupBeamSearch:
         vocab = scores.shape[-1]
         chosen: list[int] = []  # tokens taken this step by the running beams of earlier groups
         new_beams: list[tuple[BeamGroup, list[int], list[int]]] = []
+        finished: list[tuple[int, int]] = []
         offset = 0
         for group in self.groups:
             if not group.active:
@@ -86,15 +91,19 @@ class GroupBeamSearch:
             if chosen and self.diversity_penalty:
                 counts = torch.bincount(torch.tensor(chosen), minlength=vocab).to(scores.device)
                 group_scores = group_scores - self.diversity_penalty * counts
-            parents, tokens = group.advance(group.top_candidates(group.accumulate(group_scores), vocab))
+            cand = group.top_candidates(group.accumulate(group_scores), vocab)
+            parents, tokens, done_now = group.advance(cand, row_offset=start)
+            finished += done_now
             chosen += tokens
             new_beams.append((group, [start + p for p in parents], tokens))
         self._first = False
-        if self.done:
-            return BeamStep([], [], True)
-        parents = [p for g, ps, _ in new_beams if g.active for p in ps]
-        tokens = [t for g, _, ts in new_beams if g.active for t in ts]
-        return BeamStep(parents, tokens, False)
+        done = self.done
+        # Rows to run: beams of groups still running. Once done: beams that can still join the
+        # result (groups that stopped by their own test drop theirs, as HF does).
+        keep = [(ps, ts) for g, ps, ts in new_beams if (not g.scorer_done if done else g.active)]
+        return BeamStep(
+            [p for ps, _ in keep for p in ps], [t for _, ts in keep for t in ts], done, finished
+        )
 
     def finalize(self) -> list[Hypothesis]:
         """The `n` best hypotheses over all groups, best first. Ends the search."""

@@ -26,7 +26,7 @@ class TokenLogprobs:
     top_logprobs: torch.Tensor  # [N, K] float
 
     def row(self, i: int, k: int | None = None) -> tuple[float, list[tuple[int, float]]]:
-        """Python values of pair i: (chosen logprob, [(token, logprob)] of its first k alternatives)."""
+        """Python values of pair i: (chosen logprob, its first k (token, logprob) alternatives)."""
         k = self.top_ids.shape[1] if k is None else k
         ids = self.top_ids[i, :k].tolist()
         lps = self.top_logprobs[i, :k].tolist()

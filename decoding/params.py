@@ -9,7 +9,7 @@ Strategy rules (`DecodingParams.strategy`), first match wins:
 3. `num_beams > 1`                              -> "beam". Beams sample only when asked with
    `do_sample=True`: the OpenAI default `temperature=1.0` must not silently turn every beam
    request into beam sampling (HF's beam search is deterministic by default too).
-4. `best_of > n`                                -> "best_of" (sample `best_of`, return the best `n`).
+4. `best_of > n`                                -> "best_of" (sample best_of, return the best n).
 5. otherwise "sample" when sampling, else "greedy". Sampling is `do_sample` when given, else
    `temperature > 0`; `top_k == 1` always collapses to greedy.
 """
@@ -81,18 +81,31 @@ class DecodingParams:
     # ---- validation -----------------------------------------------------------------------------
     def _check_values(self) -> None:
         _int(self.max_tokens, "max_tokens", low=1)
-        _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature", "temperature must be >= 0")
+        _check(
+            _finite(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            "temperature must be >= 0",
+        )
         _int(self.top_k, "top_k", low=-1, hint="top_k must be >= 0 (0 or -1 disables it)")
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
         _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
-        _check(_finite(self.typical_p) and 0.0 < self.typical_p <= 1.0, "typical_p", "typical_p must be in (0, 1]")
+        _check(
+            _finite(self.typical_p) and 0.0 < self.typical_p <= 1.0,
+            "typical_p",
+            "typical_p must be in (0, 1]",
+        )
         _check(
             _finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
-            "repetition_penalty", "repetition_penalty must be > 0 (1 disables it)",
+            "repetition_penalty",
+            "repetition_penalty must be > 0 (1 disables it)",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_finite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name, f"{name} must be in [-2, 2]")
+            _check(
+                _finite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT,
+                name,
+                f"{name} must be in [-2, 2]",
+            )
         _int(self.no_repeat_ngram_size, "no_repeat_ngram_size", low=0)
         _int(self.min_tokens, "min_tokens", low=0)
         _int(self.n, "n", low=1)
@@ -102,31 +115,57 @@ class DecodingParams:
         _int(self.num_beam_groups, "num_beam_groups", low=1)
         _check(
             _finite(self.diversity_penalty) and self.diversity_penalty >= 0.0,
-            "diversity_penalty", "diversity_penalty must be >= 0",
+            "diversity_penalty",
+            "diversity_penalty must be >= 0",
         )
-        _check(_finite(self.length_penalty), "length_penalty", "length_penalty must be a finite number")
+        _check(
+            _finite(self.length_penalty), "length_penalty", "length_penalty must be a finite number"
+        )
         _check(
             isinstance(self.early_stopping, bool) or self.early_stopping == "never",
-            "early_stopping", 'early_stopping must be true, false or "never"',
+            "early_stopping",
+            'early_stopping must be true, false or "never"',
         )
-        _check(self.do_sample is None or isinstance(self.do_sample, bool), "do_sample", "do_sample must be a boolean")
+        _check(
+            self.do_sample is None or isinstance(self.do_sample, bool),
+            "do_sample",
+            "do_sample must be a boolean",
+        )
         if self.logprobs is not None:
             _int(self.logprobs, "logprobs", low=0)
         if self.seed is not None:
-            _check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "seed must be an integer")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must not be empty")
-        _check(all(_token_id(t) for t in self.stop_token_ids), "stop_token_ids", "token ids must be integers >= 0")
+            _check(
+                isinstance(self.seed, int) and not isinstance(self.seed, bool),
+                "seed",
+                "seed must be an integer",
+            )
         _check(
-            all(_token_id(t) for t in self.logit_bias),
-            "logit_bias", "logit_bias keys must be token ids (integers >= 0)",
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "stop strings must not be empty",
         )
         _check(
-            all(_finite(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()),
-            "logit_bias", "logit_bias values must be in [-100, 100]",
+            all(_token_id(t) for t in self.stop_token_ids),
+            "stop_token_ids",
+            "token ids must be integers >= 0",
+        )
+        _check(
+            all(_token_id(t) for t in self.logit_bias),
+            "logit_bias",
+            "logit_bias keys must be token ids (integers >= 0)",
+        )
+        _check(
+            all(
+                _finite(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
+                for b in self.logit_bias.values()
+            ),
+            "logit_bias",
+            "logit_bias values must be in [-100, 100]",
         )
         _check(
             all(seq and all(_token_id(t) for t in seq) for seq in self.bad_words_ids),
-            "bad_words_ids", "bad_words_ids must be non-empty sequences of token ids (integers >= 0)",
+            "bad_words_ids",
+            "bad_words_ids must be non-empty sequences of token ids (integers >= 0)",
         )
 
     def _check_combinations(self) -> None:
@@ -136,15 +175,21 @@ class DecodingParams:
             raise DecodingParamsError("min_tokens", "min_tokens must not exceed max_tokens")
         if self.num_beam_groups > 1:
             if self.num_beams == 1:
-                raise DecodingParamsError("num_beam_groups", "num_beam_groups > 1 needs num_beams > 1")
+                raise DecodingParamsError(
+                    "num_beam_groups", "num_beam_groups > 1 needs num_beams > 1"
+                )
             if self.num_beams % self.num_beam_groups:
                 raise DecodingParamsError(
                     "num_beam_groups", "num_beams must be divisible by num_beam_groups"
                 )
             if self.do_sample:
-                raise DecodingParamsError("do_sample", "group beam search cannot sample (do_sample=true)")
+                raise DecodingParamsError(
+                    "do_sample", "group beam search cannot sample (do_sample=true)"
+                )
         if self.diversity_penalty and self.num_beam_groups == 1:
-            raise DecodingParamsError("diversity_penalty", "diversity_penalty needs num_beam_groups > 1")
+            raise DecodingParamsError(
+                "diversity_penalty", "diversity_penalty needs num_beam_groups > 1"
+            )
         if self.best_of is not None and self.best_of < self.n:
             raise DecodingParamsError("best_of", "best_of must be >= n")
         if self.num_beams > 1:
@@ -207,7 +252,11 @@ def check_caps(
 ) -> None:
     """Server-configured limits (rows per request, logprobs) and token ids inside the vocabulary."""
     if params.width > max_width:
-        name = "num_beams" if params.num_beams > 1 else ("best_of" if params.strategy == "best_of" else "n")
+        name = (
+            "num_beams"
+            if params.num_beams > 1
+            else ("best_of" if params.strategy == "best_of" else "n")
+        )
         raise DecodingParamsError(name, f"{name} must be <= {max_width} on this server")
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise DecodingParamsError("logprobs", f"logprobs must be <= {max_logprobs} on this server")
@@ -235,9 +284,13 @@ def _normalise_logit_bias(raw: object) -> dict[int, float]:
             token = int(key)  # JSON object keys arrive as strings
             bias = float(value)
         except (TypeError, ValueError):
-            raise DecodingParamsError("logit_bias", "logit_bias must map token ids to numbers") from None
+            raise DecodingParamsError(
+                "logit_bias", "logit_bias must map token ids to numbers"
+            ) from None
         if isinstance(key, (float, bool)) or (isinstance(key, str) and not key.strip().isdigit()):
-            raise DecodingParamsError("logit_bias", "logit_bias keys must be token ids (integers >= 0)")
+            raise DecodingParamsError(
+                "logit_bias", "logit_bias keys must be token ids (integers >= 0)"
+            )
         out[token] = bias
     return out
 
@@ -246,7 +299,9 @@ def _normalise_bad_words(raw: object) -> tuple[tuple[int, ...], ...]:
     try:
         return tuple(tuple(seq) for seq in raw)  # type: ignore[union-attr]
     except TypeError:
-        raise DecodingParamsError("bad_words_ids", "bad_words_ids must be a list of token id lists") from None
+        raise DecodingParamsError(
+            "bad_words_ids", "bad_words_ids must be a list of token id lists"
+        ) from None
 
 
 def _finite(x: object) -> bool:

@@ -33,28 +33,41 @@ class Pairs:
     tokens: torch.Tensor  # [N] long
     values: torch.Tensor  # [N] float32 (unused for bans)
 
-    @classmethod
-    def build(
-        cls,
-        entries: list[tuple[int, int, float]],
-        vocab_size: int,
-        device: torch.device | str,
-    ) -> Pairs | None:
-        kept = [e for e in entries if e[1] < vocab_size]  # never let a bad id crash a shared batch
-        if not kept:
+
+class PairsBuilder:
+    """Collects per-row chunks as tensors (prompts can be long: no Python tuple per entry)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def add(
+        self, row: int, tokens: Sequence[int] | torch.Tensor, values: float | Sequence[float]
+    ) -> None:
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        if ids.numel():
+            vals = (
+                torch.full(ids.shape, values, dtype=torch.float32)
+                if isinstance(values, (int, float))
+                else torch.tensor(values, dtype=torch.float32)
+            )
+            self.chunks.append((row, ids, vals))
+
+    def build(self, vocab_size: int, device: torch.device | str) -> Pairs | None:
+        if not self.chunks:
             return None
-        rows, tokens, values = zip(*kept)
-        return cls(
-            torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(tokens, dtype=torch.long, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device),
-        )
+        tokens = torch.cat([ids for _, ids, _ in self.chunks])
+        rows = torch.cat([torch.full_like(ids, r) for r, ids, _ in self.chunks])
+        values = torch.cat([vals for _, _, vals in self.chunks])
+        keep = tokens < vocab_size  # the API rejects these; never let one crash a shared batch
+        return Pairs(rows[keep].to(device), tokens[keep].to(device), values[keep].to(device))
 
 
 @dataclass
 class ProcessorTensors:
     logit_bias: Pairs | None = None  # value: bias
-    repetition: Pairs | None = None  # value: penalty; one pair per distinct token of prompt + output
+    repetition: Pairs | None = (
+        None  # value: penalty; one pair per distinct token of prompt + output
+    )
     presence_frequency: Pairs | None = None  # value: frequency * count + presence, output tokens
     banned: Pairs | None = None  # n-gram, bad words, min tokens
 
@@ -72,33 +85,33 @@ def build_processor_tensors(
     device: torch.device | str,
 ) -> ProcessorTensors:
     """Per-row processor entries; fields stay None when no row uses that processor."""
-    bias: list[tuple[int, int, float]] = []
-    repetition: list[tuple[int, int, float]] = []
-    penalties: list[tuple[int, int, float]] = []
-    bans: list[tuple[int, int, float]] = []
+    bias, repetition, penalties, bans = (
+        PairsBuilder(),
+        PairsBuilder(),
+        PairsBuilder(),
+        PairsBuilder(),
+    )
     for r, p in enumerate(params):
         if p.logit_bias:
-            bias += [(r, token, b) for token, b in p.logit_bias.items()]
+            bias.add(r, list(p.logit_bias), list(p.logit_bias.values()))
         if p.repetition_penalty != 1.0:
-            seen = set(prompt_ids[r]).union(output_ids[r])
-            repetition += [(r, token, p.repetition_penalty) for token in seen]
+            repetition.add(r, list(set(prompt_ids[r]).union(output_ids[r])), p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
             counts = Counter(output_ids[r])
-            penalties += [
-                (r, token, p.frequency_penalty * c + p.presence_penalty) for token, c in counts.items()
-            ]
+            deltas = [p.frequency_penalty * c + p.presence_penalty for c in counts.values()]
+            penalties.add(r, list(counts), deltas)
         if p.no_repeat_ngram_size:
             history = torch.tensor(list(prompt_ids[r]) + list(output_ids[r]), dtype=torch.long)
-            bans += [(r, t, 0.0) for t in ngram_bans(history, p.no_repeat_ngram_size).tolist()]
+            bans.add(r, ngram_bans(history, p.no_repeat_ngram_size), 0.0)
         if p.bad_words_ids:
-            bans += [(r, t, 0.0) for t in bad_word_bans(prompt_ids[r], output_ids[r], p.bad_words_ids, eos_ids)]
+            bans.add(r, bad_word_bans(prompt_ids[r], output_ids[r], p.bad_words_ids, eos_ids), 0.0)
         if p.min_tokens and len(output_ids[r]) < p.min_tokens:
-            bans += [(r, t, 0.0) for t in p.finishing_ids(eos_ids)]
+            bans.add(r, sorted(p.finishing_ids(eos_ids)), 0.0)
     return ProcessorTensors(
-        logit_bias=Pairs.build(bias, vocab_size, device),
-        repetition=Pairs.build(repetition, vocab_size, device),
-        presence_frequency=Pairs.build(penalties, vocab_size, device),
-        banned=Pairs.build(bans, vocab_size, device),
+        logit_bias=bias.build(vocab_size, device),
+        repetition=repetition.build(vocab_size, device),
+        presence_frequency=penalties.build(vocab_size, device),
+        banned=bans.build(vocab_size, device),
     )
 
 

@@ -21,6 +21,9 @@ def rank_samples(
     if lengths is None or length_penalty == 0.0:
         keys = list(cumulative_logprobs)
     else:
-        keys = [lp / max(1, length) ** length_penalty for lp, length in zip(cumulative_logprobs, lengths)]
+        keys = [
+            lp / max(1, length) ** length_penalty
+            for lp, length in zip(cumulative_logprobs, lengths)
+        ]
     order = sorted(range(len(keys)), key=lambda i: -keys[i])
     return order[:n]

@@ -6,6 +6,7 @@ The same code runs on CUDA and CPU: only `device` (chosen once at start-up) diff
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,11 @@ from server.engine.attention import (
     StepContext,
     make_paged_attention,
 )
+from server.engine.quantization import quantize
 from server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+_runner_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class ModelRunner:
         block_size: int,
         kv_cache_bytes: int | None = None,
         num_blocks: int | None = None,
+        quantization: str = "none",
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -72,10 +76,10 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False
         )
-        self.model = model.to(device).eval()
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.model = quantize(model.to(device).eval(), quantization, device)
         self.decoder = self.model.get_decoder()
-        self.lm_head = self.model.get_output_embeddings()
-        self.vocab_size = self.lm_head.weight.shape[0]
+        self.lm_head = self.model.get_output_embeddings()  # after quantize: it may be a new module
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
         cfg = self.config
@@ -94,8 +98,11 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(
             cfg.num_hidden_layers, self.num_blocks, block_size, kv_heads, head_dim, dtype, device
         )
-        AttentionInterface.register(ATTENTION_NAME, make_paged_attention(self.kv_cache))
-        self.model.set_attn_implementation(ATTENTION_NAME)
+        # One registered name per runner: the function is bound to this runner's own KV cache, so
+        # several engines in one process (tests, benchmarks) never write into each other's pools.
+        name = f"{ATTENTION_NAME}_{next(_runner_ids)}"
+        AttentionInterface.register(name, make_paged_attention(self.kv_cache))
+        self.model.set_attn_implementation(name)
         log.info(
             "model on %s (%s): %d KV blocks of %d tokens (%.1f MiB)",
             device, dtype, self.num_blocks, block_size, self.num_blocks * per_block / 2**20,

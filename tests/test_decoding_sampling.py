@@ -1,0 +1,196 @@
+"""Token choice: seeded rows are batch-independent, draws follow the warped distribution, logprobs
+read the raw model distribution, sample-and-rank picks the most likely samples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decoding import (
+    DecodingParams,
+    SamplingTensors,
+    choose_tokens,
+    process_logits,
+    rank_samples,
+    sample_next_tokens,
+    token_logprobs,
+)
+
+V = 50
+EOS = frozenset({2})
+# chi-square critical values at alpha = 0.001 by degrees of freedom
+CHI2_CRIT_001 = {
+    1: 10.828,
+    2: 13.816,
+    3: 16.266,
+    4: 18.467,
+    5: 20.515,
+    6: 22.458,
+    7: 24.322,
+    8: 26.124,
+    9: 27.877,
+}
+
+
+def toy_logits(history: list[int]) -> torch.Tensor:
+    """A deterministic 'model': logits depend on the last two tokens."""
+    g = torch.Generator().manual_seed(
+        1000 + 31 * (history[-1] if history else 0) + (history[-2] if len(history) > 1 else 0)
+    )
+    return torch.randn(V, generator=g) * 2.0
+
+
+def run_rows(
+    params: list[DecodingParams], prompts: list[list[int]], seeds: list[int | None], steps: int
+) -> list[list[int]]:
+    """Drive several requests one step at a time in one batch, as the engine does."""
+    generators = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
+    outputs: list[list[int]] = [[] for _ in params]
+    for _ in range(steps):
+        logits = torch.stack([toy_logits(p + o) for p, o in zip(prompts, outputs)])
+        t = SamplingTensors.from_rows(params, prompts, outputs, EOS, V, "cpu")
+        for row, token in enumerate(sample_next_tokens(logits, t, generators).tolist()):
+            outputs[row].append(token)
+    return outputs
+
+
+SEEDED = DecodingParams(
+    temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.2, max_tokens=30
+)
+
+
+def test_seeded_row_gives_the_same_tokens_alone_and_in_a_busy_batch() -> None:
+    alone = run_rows([SEEDED], [[5, 6]], [1234], steps=25)[0]
+    busy = run_rows(
+        [
+            DecodingParams(temperature=1.3),
+            DecodingParams(temperature=0.0, repetition_penalty=1.5),
+            SEEDED,
+            DecodingParams(num_beams=2),  # a beam row: must not touch anyone's generator
+            DecodingParams(temperature=0.7, top_p=0.5, seed=99),
+            DecodingParams(min_p=0.2, presence_penalty=1.0),
+        ],
+        [[1], [2, 3], [5, 6], [7], [8], [9, 9]],
+        [None, None, 1234, 4321, 99, None],
+        steps=25,
+    )
+    assert busy[2] == alone
+    assert run_rows([SEEDED], [[5, 6]], [1235], steps=25)[0] != alone  # the seed matters
+
+
+def test_sibling_rows_share_their_request_generator_in_order() -> None:
+    """n = 3 rows of one seeded request: reproducible, and the three samples differ."""
+    params = [DecodingParams(n=3, temperature=1.0, max_tokens=10)] * 3
+    gen_a = torch.Generator().manual_seed(7)
+    gen_b = torch.Generator().manual_seed(7)
+    logits = torch.stack([toy_logits([1])] * 3)
+    t = SamplingTensors.from_rows(params, [[1]] * 3, [[]] * 3, EOS, V, "cpu")
+    draws_a = [sample_next_tokens(logits, t, [gen_a] * 3).tolist() for _ in range(5)]
+    draws_b = [sample_next_tokens(logits, t, [gen_b] * 3).tolist() for _ in range(5)]
+    assert draws_a == draws_b
+    assert len({tuple(d) for d in zip(*draws_a)}) > 1
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    support = probs > 0
+    total = counts.sum()
+    expected = probs[support] * total
+    stat = float(((counts[support] - expected) ** 2 / expected).sum())
+    return stat, int(support.sum()) - 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        DecodingParams(temperature=1.0),
+        DecodingParams(temperature=0.6, top_k=6),
+        DecodingParams(temperature=1.4, top_p=0.7),
+        DecodingParams(min_p=0.15, repetition_penalty=1.3),
+        DecodingParams(typical_p=0.6, logit_bias={0: 2.0}),
+    ],
+    ids=["plain", "top_k", "top_p", "min_p", "typical"],
+)
+def test_draw_frequencies_follow_the_warped_distribution(params: DecodingParams) -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(10, generator=g) * 1.5
+    rows = 6000
+    logits = torch.full((rows, 10), 0.0)
+    logits[:] = base
+    prompt = [[1, 3]] * rows
+    t = SamplingTensors.from_rows([params] * rows, prompt, [[]] * rows, EOS, 10, "cpu")
+    scores = process_logits(logits, t)
+    probs = scores[0].softmax(-1)
+    tokens = choose_tokens(scores, t, [None] * rows)
+    counts = torch.bincount(tokens, minlength=10).float()
+    assert counts[probs == 0].sum() == 0, "drew a token outside the kept support"
+    stat, df = chi_square(counts, probs)
+    assert df >= 1
+    assert stat < CHI2_CRIT_001[df], f"chi2 {stat:.1f} with {df} dof"
+
+
+def test_greedy_rows_take_the_argmax_of_processed_scores() -> None:
+    logits = torch.stack([toy_logits([4]), toy_logits([5])])
+    favourite = int(logits[0].argmax())
+    params = [
+        DecodingParams(temperature=0.0, logit_bias={favourite: -100.0}),
+        DecodingParams(top_k=1),
+    ]
+    t = SamplingTensors.from_rows(params, [[4], [5]], [[], []], EOS, V, "cpu")
+    tokens = sample_next_tokens(logits, t, [None, None]).tolist()
+    assert tokens[0] != favourite and tokens[0] == int(
+        logits[0].clone().index_fill_(0, torch.tensor([favourite]), -1e9).argmax()
+    )
+    assert tokens[1] == int(logits[1].argmax())
+
+
+def test_logprobs_read_the_raw_distribution() -> None:
+    logits = torch.stack([toy_logits([1]), toy_logits([2]), toy_logits([3])])
+    params = [DecodingParams(temperature=0.3, repetition_penalty=2.0, logprobs=3)] * 3
+    t = SamplingTensors.from_rows(params, [[1], [2], [3]], [[]] * 3, EOS, V, "cpu")
+    tokens = sample_next_tokens(logits, t, [torch.Generator().manual_seed(0)] * 3)
+    lp = token_logprobs(logits, tokens, num_top=3)
+    raw = logits.log_softmax(-1)
+    torch.testing.assert_close(lp.chosen, raw.gather(1, tokens[:, None])[:, 0])
+    torch.testing.assert_close(lp.top_logprobs, raw.topk(3).values)
+    assert lp.top_ids.tolist() == raw.topk(3).indices.tolist()
+    chosen, top = lp.row(1, k=2)
+    assert (
+        chosen == pytest.approx(float(raw[1, tokens[1]]))
+        and len(top) == 2
+        and top[0][0] == int(raw[1].argmax())
+    )
+    # beam children: several (row, token) pairs may share a parent row
+    pairs = token_logprobs(logits, [5, 6, 7], rows=[0, 0, 2])
+    torch.testing.assert_close(pairs.chosen, raw[[0, 0, 2], [5, 6, 7]])
+    assert t.logprob_rows == [0, 1, 2]
+
+
+def test_rank_samples() -> None:
+    assert rank_samples([-5.0, -1.0, -3.0, -1.0], 2) == [1, 3]
+    # per-token average (length_penalty 1) prefers the long, confident sample
+    assert rank_samples([-4.0, -3.0], 1, lengths=[8, 2], length_penalty=1.0) == [0]
+    assert rank_samples([-4.0, -3.0], 1, lengths=[8, 2]) == [1]
+
+
+def test_best_of_rows_draw_and_ask_for_logprobs() -> None:
+    params = [DecodingParams(n=1, best_of=3)] * 3
+    t = SamplingTensors.from_rows(params, [[1]] * 3, [[]] * 3, EOS, V, "cpu")
+    assert t.sample_row_list == [0, 1, 2] and t.logprob_rows == [0, 1, 2]
+    cumulative = [0.0, 0.0, 0.0]
+    outputs: list[list[int]] = [[], [], []]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(6):
+        logits = torch.stack([toy_logits([1] + o) for o in outputs])
+        t = SamplingTensors.from_rows(params, [[1]] * 3, outputs, EOS, V, "cpu")
+        tokens = sample_next_tokens(logits, t, [gen] * 3)
+        for i, (tok, lp) in enumerate(
+            zip(tokens.tolist(), token_logprobs(logits, tokens).chosen.tolist())
+        ):
+            outputs[i].append(tok)
+            cumulative[i] += lp
+    best = rank_samples(cumulative, 1)[0]
+    assert cumulative[best] == max(cumulative)
+    assert math.isfinite(cumulative[best])
