@@ -96,7 +96,12 @@ _SHARED_FIELDS = tuple(
 
 
 def decoding_params(
-    ctx: ServingContext, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None
+    ctx: ServingContext,
+    req: SamplingFields,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    logprobs_param: str = "logprobs",
 ) -> DecodingParams:
     """Build DecodingParams; limits that depend on the server (context, caps) are checked here.
 
@@ -108,7 +113,7 @@ def decoding_params(
         raise bad_request(f"at most {cfg.max_stop_sequences} stop sequences are allowed", "stop", "too_many_stop")
     for name, value, cap in (("n", req.n, cfg.max_n), ("best_of", req.best_of or 1, cfg.max_best_of),
                              ("num_beams", req.num_beams, cfg.max_num_beams),
-                             ("logprobs", logprobs or 0, cfg.max_logprobs)):
+                             (logprobs_param, logprobs or 0, cfg.max_logprobs)):
         if value > cap:
             raise bad_request(f"{name} must be <= {cap} on this server (got {value})", name, "above_limit")
     room = ctx.max_model_len - prompt_len
@@ -181,7 +186,8 @@ def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     ids = chat_prompt_ids(ctx, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = decoding_params(ctx, req, len(ids), req.max_completion_tokens or req.max_tokens, logprobs)
+    params = decoding_params(ctx, req, len(ids), req.max_completion_tokens or req.max_tokens, logprobs,
+                             "top_logprobs")
     return Job(ids, params, 0)
 
 

@@ -21,7 +21,7 @@ from server.engine.attention import (
     StepContext,
     make_paged_attention,
 )
-from server.engine.quantization import quantize
+from server.engine.quantization import quantized_lm_head
 from server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,12 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False
         )
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.model = quantize(model.to(device).eval(), quantization, device)
+        self.model = model.to(device).eval()
         self.decoder = self.model.get_decoder()
-        self.lm_head = self.model.get_output_embeddings()  # after quantize: it may be a new module
+        head = self.model.get_output_embeddings()
+        self.vocab_size = head.weight.shape[0]
+        self.lm_head = quantized_lm_head(head, device, quantization)
+        self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
         cfg = self.config
@@ -158,7 +160,7 @@ class ModelRunner:
         if not sample_rows:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.lm_head(hidden[rows]).float()
+        logits = self.lm_head(hidden[rows].to(self.head_dtype)).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

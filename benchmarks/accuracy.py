@@ -1,0 +1,123 @@
+"""Accuracy of the fast weight formats against fp32: perplexity on a bundled text, greedy agreement.
+
+    python -m benchmarks.accuracy [--model M] [--formats fp32,bf16,int8] [--prompts 8 --tokens 32]
+
+Perplexity runs the model over `benchmarks/accuracy_text.txt` in one forward pass. Greedy agreement
+runs our engine on the bundled prompts with each format and counts, per prompt, how many leading
+tokens equal the fp32 engine's (a format that flips one early token drifts from there on, so the
+"first divergence" is the honest measure), plus the share of prompts whose whole output is equal.
+Writes JSON to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from decoding import DecodingParams
+from server.engine.engine import Engine
+from server.engine.model_loader import resolve_model_dir
+from server.engine.model_runner import ModelRunner
+from server.engine.request import EngineRequest
+
+HERE = Path(__file__).resolve().parent
+FORMATS = {
+    "fp32": (torch.float32, "none"),
+    "bf16": (torch.bfloat16, "none"),
+    "int8": (torch.float32, "int8"),  # int8 LM head, fp32 body
+    "bf16-int8": (torch.bfloat16, "int8"),  # int8 LM head, bf16 body
+}
+
+
+def load_prompts(count: int) -> list[str]:
+    lines = (HERE / "prompts.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()][:count]
+
+
+def perplexity(runner: ModelRunner, tokenizer, text: str) -> float:
+    """exp(mean next-token NLL) over `text`: the runner's decoder with transformers' own (non-paged)
+    attention, then the runner's LM head (quantized or not)."""
+    ids = torch.tensor([tokenizer(text).input_ids], device=runner.device)
+    model = runner.model
+    saved = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            hidden = runner.decoder(input_ids=ids).last_hidden_state[0, :-1]
+            logits = runner.lm_head(hidden.to(runner.head_dtype)).float()
+            if runner.final_softcap is not None:
+                logits = torch.tanh(logits / runner.final_softcap) * runner.final_softcap
+    finally:
+        model.set_attn_implementation(saved)
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
+    return math.exp(float(nll))
+
+
+def greedy_outputs(runner: ModelRunner, tokenizer, prompts: list[str], tokens: int) -> tuple[list[list[int]], float]:
+    engine = Engine(runner, tokenizer, max_num_batched_tokens=1024)
+    results: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    params = DecodingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.submit(EngineRequest(str(i), tokenizer(p).input_ids, params,
+                                    lambda out, i=i: results[i].extend(out.token_ids)))
+    start = time.perf_counter()
+    while engine.step():
+        pass
+    elapsed = time.perf_counter() - start
+    return [results[i] for i in range(len(prompts))], len(prompts) * tokens / elapsed
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: Gemma 3 270M)")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model_dir = resolve_model_dir(args.model)
+    prompts = load_prompts(args.prompts)
+    text = (HERE / "accuracy_text.txt").read_text()
+    report: dict[str, dict] = {}
+    reference: list[list[int]] | None = None
+    for name in args.formats.split(","):
+        dtype, quantization = FORMATS[name]
+        runner = ModelRunner(model_dir, device=torch.device("cpu"), dtype=dtype, block_size=16,
+                             num_blocks=512, quantization=quantization)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        outputs, tok_s = greedy_outputs(runner, tokenizer, prompts, args.tokens)
+        entry = {"perplexity": round(perplexity(runner, tokenizer, text), 4),
+                 "greedy_tok_s_batch": round(tok_s, 1)}
+        if reference is None:
+            reference = outputs
+        else:
+            lead = [leading_agreement(o, r) for o, r in zip(outputs, reference)]
+            entry["mean_tokens_before_first_divergence"] = round(sum(lead) / len(lead), 2)
+            entry["identical_outputs"] = f"{sum(o == r for o, r in zip(outputs, reference))}/{len(outputs)}"
+            entry["token_agreement"] = round(
+                sum(x == y for o, r in zip(outputs, reference) for x, y in zip(o, r)) / (len(outputs) * args.tokens), 3)
+        report[name] = entry
+        print(f"{name:5s} {entry}", flush=True)
+        del runner
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "accuracy.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
