@@ -1,0 +1,105 @@
+"""Start `beamline serve` on a free loopback port for the length of a benchmark, then stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class LaunchError(RuntimeError):
+    """The server exited or never became healthy."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def beamline_command(port: int, model: str | None, extra_args: Sequence[str] = ()) -> list[str]:
+    """`python -m server.cli serve ...` (the same as the `beamline serve` console script)."""
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if model:
+        cmd += ["--model", model]
+    return cmd + list(extra_args)
+
+
+def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> float:
+    """Poll GET /health until 200; return the seconds it took. Fails early if `proc` exits."""
+    start = time.monotonic()
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise LaunchError(f"server exited with code {proc.returncode} before becoming healthy")
+            try:
+                if client.get(base_url + "/health").status_code == 200:
+                    return time.monotonic() - start
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - start > timeout_s:
+                raise LaunchError(f"{base_url}/health not 200 after {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+
+def first_model_id(base_url: str, api_key: str | None = None) -> str:
+    """The first id of GET /v1/models: what to put in the `model` field by default."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30.0, headers=headers)
+    resp.raise_for_status()
+    data = resp.json().get("data") or []
+    if not data:
+        raise LaunchError(f"{base_url}/v1/models lists no model; pass --model-name")
+    return str(data[0]["id"])
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)  # beamline drains in-flight requests and exits 0
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@contextmanager
+def launched_beamline(
+    model: str | None, log_path: Path, extra_args: Sequence[str] = (), timeout_s: float = 600.0
+) -> Iterator[tuple[str, float]]:
+    """Yield (base_url, seconds to healthy) of a fresh beamline server; its output goes to `log_path`."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    cmd = beamline_command(port, model, extra_args)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    print(f"launching: {' '.join(cmd)}  (log: {log_path})", file=sys.stderr)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        try:
+            try:
+                ready = wait_healthy(base_url, timeout_s, proc)
+            except LaunchError as exc:
+                raise LaunchError(f"{exc}\n--- last lines of {log_path} ---\n{_tail(log_path)}") from None
+            yield base_url, ready
+        finally:
+            _stop(proc)

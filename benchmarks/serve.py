@@ -1,0 +1,338 @@
+"""`python -m benchmarks.serve`: serving benchmark of beamline (or any OpenAI-compatible server)
+against Hugging Face static batching, sequential `generate()` and llama.cpp, on one workload.
+
+See benchmarks/README.md for the commands, the metric definitions and how to read the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from benchmarks import hf_baseline, llamacpp_baseline
+from benchmarks.beam_case import engine_stats, format_beam_case, run_beam_case
+from benchmarks.client import (
+    CompletionTarget,
+    make_client,
+    run_concurrency,
+    run_poisson,
+    stream_completion,
+)
+from benchmarks.launch import LaunchError, first_model_id, launched_beamline
+from benchmarks.plot import plot_results
+from benchmarks.report import (
+    RECORDED_NOTE,
+    Run,
+    SystemResult,
+    format_report,
+    peer_rows,
+    ratio_rows,
+    write_json,
+)
+from benchmarks.stats import summarize
+from benchmarks.workload import BenchRequest, Workload, prompts_workload, synthetic_workload
+
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+ALL_BASELINES = ("hf-static", "hf-sequential", "llama-cpp")
+
+# Mode presets; any flag given explicitly wins. Short mode fits CI: < 2 minutes with model load.
+PRESETS = {
+    "full": {"num_requests": 48, "output_tokens": "32,128", "concurrency": "1,4,16",
+             "baselines": ",".join(ALL_BASELINES), "beam_max_tokens": 64},
+    "short": {"num_requests": 8, "output_tokens": "16,32", "concurrency": "1,4",
+              "baselines": "hf-static,llama-cpp", "beam_max_tokens": 16},
+}
+
+
+def _int_pair(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}") from None
+    return lo, hi
+
+
+def _number_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_argument_group("system under test")
+    where = target.add_mutually_exclusive_group(required=True)
+    where.add_argument("--launch-beamline", action="store_true", help="start `beamline serve` on a free port")
+    where.add_argument("--base-url", help="an already running OpenAI-compatible server, e.g. http://127.0.0.1:8080")
+    target.add_argument("--model", help="model for the launched server and the baselines "
+                        "(HF directory or .gguf; default: the bundled Gemma 3 270M GGUF)")
+    target.add_argument("--model-name", help="`model` field of requests (default: first id of GET /v1/models)")
+    target.add_argument("--label", help="name of the system under test (default: beamline if launched, else server)")
+    target.add_argument("--beamline-args", default="", help="extra `beamline serve` flags, e.g. \"--max-num-seqs 16\"")
+    target.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    target.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                        help="don't send ignore_eos (for servers without it); output lengths then vary")
+    target.add_argument("--request-timeout", type=float, default=600.0)
+    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="Bearer key for the server (default: $OPENAI_API_KEY; a launched beamline needs none)")
+
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", type=_number_list, help="closed-loop sweep, e.g. 1,4,16 (default)")
+    load.add_argument("--request-rate", type=_number_list, help="Poisson arrivals at these rates (req/s) instead")
+    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight with --request-rate")
+    load.add_argument("--warmup", type=int, default=1, help="unmeasured short requests before measuring")
+
+    wl = p.add_argument_group("workload")
+    wl.add_argument("--dataset", choices=["synthetic", "prompts"], default="synthetic",
+                    help="seeded random word prompts, or the prompt set of --prompts-file")
+    wl.add_argument("--prompts-file", type=Path, help="JSON lines {\"prompt\": ...} (default: benchmarks/prompts.jsonl)")
+    wl.add_argument("--num-requests", type=int)
+    wl.add_argument("--prompt-words", type=_int_pair, default=(8, 48), help="MIN,MAX words (synthetic)")
+    wl.add_argument("--output-tokens", type=_int_pair, help="MIN,MAX output tokens (default 32,128)")
+    wl.add_argument("--seed", type=int, default=0)
+
+    base = p.add_argument_group("baselines (run after the server is stopped, on the same workload)")
+    base.add_argument("--baselines", help=f"comma list of {', '.join(ALL_BASELINES)}, or none")
+    base.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="HF baselines' dtype, also passed to a launched beamline (default float32)")
+    base.add_argument("--gguf", type=Path, help="GGUF for llama-cpp (default: --model if .gguf, else bundled)")
+    base.add_argument("--llama-threads", type=int, default=2)
+    base.add_argument("--llama-n-ctx", type=int, default=2048)
+
+    run = p.add_argument_group("run")
+    run.add_argument("--short", action="store_true", help="CI size: 8 requests, outputs 16-32, c=1,4")
+    run.add_argument("--beam-case", action="store_true",
+                     help="only the beam-search case: one greedy and one num_beams=4 request, sequentially")
+    run.add_argument("--beam-max-tokens", type=int)
+    run.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    run.add_argument("--tag", help="file name stem of the results (default: serve[-short]-TIMESTAMP)")
+    return p
+
+
+def resolve_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    preset = PRESETS["short" if args.short else "full"]
+    args.num_requests = args.num_requests or preset["num_requests"]
+    args.output_tokens = args.output_tokens or _int_pair(preset["output_tokens"])
+    args.beam_max_tokens = args.beam_max_tokens or preset["beam_max_tokens"]
+    if args.request_rate and args.concurrency:
+        parser.error("give --concurrency or --request-rate, not both")
+    args.mode = "poisson" if args.request_rate else "concurrency"
+    args.levels = args.request_rate or args.concurrency or _number_list(preset["concurrency"])
+    if args.mode == "concurrency" and any(c != int(c) for c in args.levels):
+        parser.error("--concurrency takes whole numbers")
+    names = [b.strip() for b in (args.baselines or preset["baselines"]).split(",") if b.strip()]
+    names = [] if names == ["none"] else names
+    unknown = set(names) - set(ALL_BASELINES)
+    if unknown:
+        parser.error(f"unknown baseline(s) {sorted(unknown)}; choose from {', '.join(ALL_BASELINES)} or none")
+    args.baseline_names = names
+    args.label = args.label or ("beamline" if args.launch_beamline else "server")
+    return args
+
+
+def peers_comparable(args: argparse.Namespace) -> bool:
+    """Whether this run uses the setting of the recorded peer figures (design notes §3)."""
+    return (args.model is None and args.dataset == "synthetic" and args.num_requests == 48
+            and tuple(args.prompt_words) == (8, 48) and tuple(args.output_tokens) == (32, 128)
+            and args.ignore_eos)
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    if args.dataset == "prompts":
+        kwargs = {"path": args.prompts_file} if args.prompts_file else {}
+        return prompts_workload(args.num_requests, args.output_tokens, args.seed, **kwargs)
+    return synthetic_workload(args.num_requests, args.prompt_words, args.output_tokens, args.seed)
+
+
+# ---- the system under test ---------------------------------------------------------------------------
+async def bench_server(args: argparse.Namespace, target: CompletionTarget, workload: Workload) -> SystemResult:
+    async with make_client(1, target.request_timeout_s, target.api_key) as client:
+        for i in range(args.warmup):
+            await stream_completion(client, target, BenchRequest(-1 - i, workload.requests[0].prompt, 4))
+    result = SystemResult(args.label, args.label, "server", info={"base_url": target.base_url, "model": target.model})
+    for level in args.levels:
+        if args.mode == "concurrency":
+            res, dur = await run_concurrency(target, workload.requests, int(level), f"{args.label} c={level:g}")
+        else:
+            res, dur = await run_poisson(target, workload.requests, level, args.seed, args.max_concurrency,
+                                         f"{args.label} rate={level:g}")
+        result.runs.append(Run(level, summarize(res, dur)))
+        m = result.runs[-1].metrics
+        tqdm.write(f"{args.label} {'c' if args.mode == 'concurrency' else 'rate'}={level:g}: "
+                   f"{m['output_throughput']:.1f} out tok/s, {m['errors']} errors", file=sys.stderr)
+    async with make_client(1, 30.0, target.api_key) as client:
+        stats = await engine_stats(client, target.base_url.rstrip("/"))
+    if stats:
+        result.info["engine_stats_after"] = stats
+    return result
+
+
+# ---- baselines --------------------------------------------------------------------------------------
+def run_baselines(
+    args: argparse.Namespace, workload: Workload, phases: dict[str, float]
+) -> tuple[list[SystemResult], dict[str, str]]:
+    """Run the chosen baselines one after the other; `phases` gets each one's wall time (load included)."""
+    systems: list[SystemResult] = []
+    skipped: dict[str, str] = {}
+    reqs = list(workload.requests)
+    wants_hf = {"hf-static", "hf-sequential"} & set(args.baseline_names)
+    if wants_hf:
+        t0 = time.perf_counter()
+        if "hf-static" in wants_hf and args.mode != "concurrency":
+            skipped["hf-static"] = "static batching has no open-loop form; use --concurrency"
+        print("loading the HF model for the baselines ...", file=sys.stderr)
+        hf = hf_baseline.load_hf_model(args.model, args.dtype)
+        hf_baseline.warmup(hf)
+        info = {"model_dir": str(hf.path), "dtype": hf.dtype, "load_s": hf.load_s}
+        seq = None
+        if "hf-sequential" in wants_hf:
+            res, dur = hf_baseline.run_static_batches(hf, reqs, 1, args.ignore_eos, "hf sequential")
+            seq = Run(1, summarize(res, dur))
+            systems.append(SystemResult("hf-sequential", f"HF generate() sequential ({args.dtype})",
+                                        "sequential", [seq], dict(info)))
+        if "hf-static" in wants_hf and args.mode == "concurrency":
+            static = SystemResult("hf-static", f"HF generate() static batching ({args.dtype})", "static-batching",
+                                  info={**info, "note": "batch = concurrency; E2EL = batch end; TTFT = first step"})
+            for c in [int(c) for c in args.levels]:
+                if c == 1:  # a static batch of one is the sequential baseline: run it only once
+                    if seq is not None:
+                        static.runs.append(Run(1, seq.metrics, "same run as hf-sequential (batch of 1)"))
+                    continue
+                res, dur = hf_baseline.run_static_batches(hf, reqs, c, args.ignore_eos, f"hf static b={c}")
+                static.runs.append(Run(c, summarize(res, dur)))
+            if static.runs:
+                systems.append(static)
+        del hf
+        phases["hf_baselines"] = time.perf_counter() - t0
+    if "llama-cpp" in args.baseline_names:
+        t0 = time.perf_counter()
+        why = llamacpp_baseline.available()
+        gguf = args.gguf or llamacpp_baseline.default_gguf(args.model)
+        if why is None and gguf is None:
+            why = "no GGUF file for --model; pass --gguf"
+        if why:
+            skipped["llama-cpp"] = why
+        else:
+            runner = llamacpp_baseline.LlamaCppRunner(gguf, args.llama_threads, args.llama_n_ctx)
+            res, dur = runner.run_sequential(reqs, args.ignore_eos)
+            systems.append(SystemResult(
+                "llama-cpp", llamacpp_baseline.LABEL, "sequential", [Run(1, summarize(res, dur))],
+                {"gguf": str(gguf), "n_threads": args.llama_threads, "load_s": runner.load_s,
+                 "version": runner.version,
+                 "note": "llama-cpp-python, one request at a time: a weaker peer than llama-server"}))
+            phases["llama_cpp"] = time.perf_counter() - t0
+    return systems, skipped
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+def machine_info() -> dict:
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "loadavg_1m_at_start": _loadavg()}
+    for mod in ("torch", "transformers", "llama_cpp", "httpx"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            info[mod] = None
+    return info
+
+
+def _loadavg() -> float | None:
+    """1-minute load average: other work on the machine shows up here (the numbers are then noisy)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def result_paths(args: argparse.Namespace, kind: str) -> tuple[Path, Path]:
+    stem = args.tag or f"{kind}{'-short' if args.short else ''}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return args.out_dir / f"{stem}.json", args.out_dir / f"{stem}.png"
+
+
+def server_log_path(args: argparse.Namespace) -> Path:
+    return args.out_dir / "beamline-server.log"
+
+
+async def _measure(args: argparse.Namespace, base_url: str, workload: Workload) -> tuple[SystemResult | dict, str]:
+    model = args.model_name or first_model_id(base_url, args.api_key)
+    if args.beam_case:
+        res = await run_beam_case(base_url, model, args.beam_max_tokens, args.ignore_eos, api_key=args.api_key)
+        return res, model
+    target = CompletionTarget(base_url, model, args.ignore_eos, args.request_timeout, api_key=args.api_key)
+    return await bench_server(args, target, workload), model
+
+
+def measure_server(args: argparse.Namespace, workload: Workload) -> tuple[SystemResult | dict, dict]:
+    """Run the load (or the beam case) against the launched or given server."""
+    if not args.launch_beamline:
+        res, model = asyncio.run(_measure(args, args.base_url, workload))
+        return res, {"base_url": args.base_url, "model_name": model}
+    extra = ["--dtype", args.dtype, *shlex.split(args.beamline_args)]
+    with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (url, ready_s):
+        print(f"beamline healthy after {ready_s:.1f} s at {url}", file=sys.stderr)
+        res, model = asyncio.run(_measure(args, url, workload))
+    return res, {"base_url": url, "model_name": model, "launch_seconds_to_healthy": ready_s,
+                 "launch_args": extra}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = resolve_args(argv)
+    workload = build_workload(args)
+    started = time.time()
+    machine = machine_info()
+    try:
+        measured, server_info = measure_server(args, workload)
+    except LaunchError as exc:
+        print(f"benchmarks.serve: could not start beamline: {exc}", file=sys.stderr)
+        return 2
+    common = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+              "argv": sys.argv[1:] if argv is None else argv, "machine": machine, "server": server_info}
+    if args.beam_case:
+        json_path, _ = result_paths(args, "beam")
+        write_json({"benchmark": "beam-case", **common, "beam_case": measured}, json_path)
+        print(format_beam_case(measured))
+        print(f"\nwrote {json_path}")
+        return 0 if measured["greedy"]["status"] == 200 and measured["beam"]["status"] == 200 else 1
+    ours: SystemResult = measured
+    phases = {"system_under_test": time.time() - started}
+    baselines, skipped = run_baselines(args, workload, phases)
+    doc = {
+        "benchmark": "serve", **common,
+        "mode": args.mode, "short": args.short, "ignore_eos": args.ignore_eos,
+        "workload": workload.describe(),
+        "system_under_test": ours.name,
+        "systems": {s.name: s.to_dict() for s in [ours, *baselines]},
+        "ratios": ratio_rows(ours, baselines),
+        "recorded_peers": peer_rows(ours, args.mode, peers_comparable(args)),
+        "recorded_note": RECORDED_NOTE,
+        "skipped": skipped,
+        "duration_s": time.time() - started,
+        "phase_seconds": phases,
+    }
+    json_path, png_path = result_paths(args, "serve")
+    doc["plot"] = str(png_path)
+    write_json(doc, json_path)
+    plot_results(doc, png_path)
+    print(format_report(doc))
+    print(f"\nwrote {json_path}\nwrote {png_path}")
+    errors = sum(r.metrics["errors"] for r in ours.runs)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The serving benchmark's metric math, and its client against a fake OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from benchmarks import serve
+from benchmarks.beam_case import run_beam_case
+from benchmarks.client import (
+    CompletionTarget,
+    make_client,
+    poisson_arrivals,
+    run_concurrency,
+    run_poisson,
+    stream_completion,
+)
+from benchmarks.hf_baseline import load_hf_model, own_length, run_static_batches
+from benchmarks.launch import beamline_command
+from benchmarks.report import Run, SystemResult, ratio_rows
+from benchmarks.stats import RequestResult, distribution_ms, percentile, summarize
+from benchmarks.workload import BenchRequest, load_prompts, prompts_workload, synthetic_workload
+from tests.live_server import live_server
+
+TOKEN_DELAY_S = 0.002
+
+
+# ---- a fake OpenAI-compatible streaming server -----------------------------------------------------
+def fake_openai_app(*, send_usage: bool = True, with_stats: bool = False, api_key: str | None = None) -> FastAPI:
+    """Streams one chunk per token, then an empty finish chunk (as llama-server does), then usage.
+
+    Prompt "FAIL" gets HTTP 500; prompt "BROKEN" gets an error payload in the middle of the stream.
+    """
+    app = FastAPI()
+    stats = {"kv_blocks_total": 100, "kv_blocks_free": 100, "peak_kv_blocks_used": 0}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    if with_stats:
+        @app.get("/v1/engine/stats")
+        async def engine_stats() -> dict:
+            return stats
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request):
+        body = await request.json()
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            return JSONResponse({"error": {"message": "bad key", "type": "authentication_error"}}, status_code=401)
+        if body["prompt"] == "FAIL":
+            return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+        n = int(body["max_tokens"])
+        beams = int(body.get("num_beams", 1))
+
+        def sse(obj: object) -> str:
+            return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            stats["kv_blocks_free"] = 100 - 2 * beams
+            stats["peak_kv_blocks_used"] = max(stats["peak_kv_blocks_used"], 2 * beams)
+            for i in range(n):
+                await asyncio.sleep(TOKEN_DELAY_S * beams)
+                if body["prompt"] == "BROKEN" and i == 1:
+                    yield sse({"error": {"message": "engine died"}})
+                    return
+                yield sse({"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]})
+            stats["kv_blocks_free"] = 100
+            yield sse({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+            if send_usage and (body.get("stream_options") or {}).get("include_usage"):
+                yield sse({"choices": [], "usage": {"prompt_tokens": len(body["prompt"].split()),
+                                                    "completion_tokens": n, "total_tokens": 0}})
+            yield sse("[DONE]")
+
+        if not body.get("stream"):
+            async for _ in events():
+                pass
+            return {"choices": [{"index": 0, "text": "t " * n, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": n}}
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    with live_server(fake_openai_app()) as url:
+        yield url
+
+
+# ---- stats -----------------------------------------------------------------------------------------
+def test_percentile_interpolates_linearly_like_numpy() -> None:
+    values = [10.0, 1.0, 4.0, 3.0, 2.0]  # sorted: 1 2 3 4 10
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 100) == 10.0
+    assert percentile(values, 90) == pytest.approx(4 + 0.6 * 6)  # position 3.6
+    assert percentile(values, 99) == pytest.approx(4 + 0.96 * 6)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def test_distribution_is_in_ms_and_none_without_data() -> None:
+    d = distribution_ms([0.001, 0.003])
+    assert d["mean"] == pytest.approx(2.0) and d["p50"] == pytest.approx(2.0)
+    assert distribution_ms([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_tpot_is_decode_time_per_token_after_the_first() -> None:
+    r = RequestResult(success=True, ttft=0.2, e2el=1.1, output_tokens=10)
+    assert r.tpot == pytest.approx(0.1)
+    assert RequestResult(success=True, ttft=0.2, e2el=0.2, output_tokens=1).tpot is None
+    assert RequestResult(success=False, ttft=0.2, e2el=1.0, output_tokens=5).tpot is None
+
+
+def test_summarize_pools_itl_and_counts_only_successes() -> None:
+    a = RequestResult(index=0, success=True, ttft=0.1, e2el=0.4, itl=[0.1, 0.2], output_tokens=3,
+                      prompt_tokens=5, expected_output_tokens=3)
+    b = RequestResult(index=1, success=True, ttft=0.3, e2el=0.6, itl=[0.3], output_tokens=2,
+                      prompt_tokens=7, expected_output_tokens=4)
+    bad = RequestResult(index=2, success=False, error="HTTP 500: boom", e2el=0.01)
+    m = summarize([a, b, bad], duration_s=2.0)
+    assert (m["completed"], m["errors"], m["error_examples"]) == (2, 1, ["HTTP 500: boom"])
+    assert m["output_length_mismatches"] == 1
+    assert m["total_output_tokens"] == 5 and m["total_input_tokens"] == 12
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(2.5)
+    assert m["total_token_throughput"] == pytest.approx(8.5)
+    assert m["itl_ms"]["mean"] == pytest.approx(200.0) and m["itl_ms"]["p50"] == pytest.approx(200.0)
+    assert m["ttft_ms"]["mean"] == pytest.approx(200.0)
+    # TPOT: a -> (0.4 - 0.1) / 2 = 0.15, b -> (0.6 - 0.3) / 1 = 0.3
+    assert m["tpot_ms"]["mean"] == pytest.approx(225.0)
+    assert m["e2el_ms"]["p50"] == pytest.approx(500.0)
+    json.dumps(m, allow_nan=False)
+    assert summarize([], 0.0)["output_throughput"] == 0.0
+
+
+def test_ratios_are_oriented_so_above_one_means_ours_is_better() -> None:
+    def metrics(tps: float, ttft: float, e2el: float) -> dict:
+        return {"completed": 1, "output_throughput": tps, "request_throughput": tps / 10,
+                "ttft_ms": {"p50": ttft}, "e2el_ms": {"mean": e2el}}
+
+    ours = SystemResult("ours", "ours", "server", [Run(1, metrics(20, 50, 100)), Run(4, metrics(60, 80, 200))])
+    static = SystemResult("static", "s", "static-batching", [Run(4, metrics(30, 160, 800))])
+    seq = SystemResult("seq", "q", "sequential", [Run(1, metrics(10, 100, 400))])
+    rows = {(r["x"], r["baseline"]): r for r in ratio_rows(ours, [static, seq])}
+    assert set(rows) == {(1, "seq"), (4, "static"), (4, "seq")}
+    assert rows[(4, "static")]["output_throughput_ratio"] == pytest.approx(2.0)
+    assert rows[(4, "static")]["ttft_p50_ratio"] == pytest.approx(2.0)
+    assert rows[(4, "static")]["e2el_mean_ratio"] == pytest.approx(4.0)
+    assert rows[(1, "seq")]["output_throughput_ratio"] == pytest.approx(2.0)
+
+
+def test_static_batch_counts_only_each_requests_own_tokens() -> None:
+    assert own_length([5, 6, 1, 7, 8], 4, eos_ids=(1,), ignore_eos=True) == 4
+    assert own_length([5, 6, 1, 7, 8], 4, eos_ids=(1,), ignore_eos=False) == 3
+    assert own_length([5, 6, 7], 8, eos_ids=(1,), ignore_eos=False) == 3
+
+
+# ---- workloads -------------------------------------------------------------------------------------
+def test_synthetic_workload_is_seeded_and_within_ranges() -> None:
+    w = synthetic_workload(48, (8, 48), (32, 128), seed=3)
+    assert w == synthetic_workload(48, (8, 48), (32, 128), seed=3)
+    assert w.requests != synthetic_workload(48, (8, 48), (32, 128), seed=4).requests
+    assert len(w.requests) == 48
+    assert all(8 <= len(r.prompt.split()) <= 48 and 32 <= r.max_tokens <= 128 for r in w.requests)
+    assert w.describe()["output_tokens_total"] == sum(r.max_tokens for r in w.requests)
+    with pytest.raises(ValueError):
+        synthetic_workload(4, (8, 4), (1, 2))
+
+
+def test_bundled_prompt_set() -> None:
+    prompts = load_prompts()
+    assert 40 <= len(prompts) <= 60 and len(set(prompts)) == len(prompts)
+    w = prompts_workload(60, (16, 32), seed=0)
+    assert len(w.requests) == 60 and {r.prompt for r in w.requests} == set(prompts)
+
+
+# ---- the client against the fake server ------------------------------------------------------------
+def test_streamed_request_counts_tokens_and_times_them(fake_url: str) -> None:
+    async def go() -> RequestResult:
+        async with make_client(1, 30) as client:
+            return await stream_completion(client, CompletionTarget(fake_url, "fake-model"),
+                                           BenchRequest(0, "one two three", 6))
+
+    r = asyncio.run(go())
+    assert r.success and r.error == ""
+    assert r.output_tokens == 6 and r.prompt_tokens == 3
+    assert len(r.itl) == 5  # gaps between the 6 text chunks; the empty finish chunk doesn't count
+    assert 0 < r.ttft <= r.e2el
+    assert sum(r.itl) <= r.e2el - r.ttft + 1e-9
+    assert r.text == "t0 t1 t2 t3 t4 t5 "
+
+
+def test_without_usage_the_token_count_is_the_number_of_text_chunks() -> None:
+    async def go(url: str) -> RequestResult:
+        async with make_client(1, 30) as client:
+            return await stream_completion(client, CompletionTarget(url, "m", ignore_eos=False),
+                                           BenchRequest(0, "x", 4))
+
+    with live_server(fake_openai_app(send_usage=False)) as url:
+        r = asyncio.run(go(url))
+    assert r.success and r.output_tokens == 4 and r.expected_output_tokens is None
+
+
+def test_http_500_and_stream_errors_are_counted_not_raised(fake_url: str) -> None:
+    reqs = [BenchRequest(0, "fine", 3), BenchRequest(1, "FAIL", 3), BenchRequest(2, "BROKEN", 3),
+            BenchRequest(3, "fine too", 3)]
+    results, duration = asyncio.run(run_concurrency(CompletionTarget(fake_url, "fake-model"), reqs, 2))
+    assert [r.index for r in results] == [0, 1, 2, 3]
+    assert [r.success for r in results] == [True, False, False, True]
+    assert "HTTP 500" in results[1].error and "boom" in results[1].error
+    assert "engine died" in results[2].error
+    m = summarize(results, duration)
+    assert m["errors"] == 2 and m["completed"] == 2 and m["total_output_tokens"] == 6
+
+
+def test_api_key_is_sent_as_bearer_token() -> None:
+    async def go(url: str, key: str | None) -> RequestResult:
+        async with make_client(1, 30, key) as client:
+            return await stream_completion(client, CompletionTarget(url, "m"), BenchRequest(0, "x", 2))
+
+    with live_server(fake_openai_app(api_key="sekrit")) as url:
+        assert asyncio.run(go(url, "sekrit")).success
+        denied = asyncio.run(go(url, None))
+    assert not denied.success and "HTTP 401" in denied.error
+
+
+def test_unreachable_server_is_an_error_result() -> None:
+    async def go() -> RequestResult:
+        async with make_client(1, 5) as client:
+            return await stream_completion(client, CompletionTarget("http://127.0.0.1:9", "m"),
+                                           BenchRequest(0, "x", 2))
+
+    r = asyncio.run(go())
+    assert not r.success and r.error
+
+
+def test_poisson_arrivals_are_seeded_and_run(fake_url: str) -> None:
+    a = poisson_arrivals(20, rate=50.0, seed=1)
+    assert a == poisson_arrivals(20, rate=50.0, seed=1) and a != poisson_arrivals(20, rate=50.0, seed=2)
+    assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:]))
+    with pytest.raises(ValueError):
+        poisson_arrivals(3, rate=0, seed=0)
+    reqs = [BenchRequest(i, f"p {i}", 3) for i in range(6)]
+    results, _ = asyncio.run(run_poisson(CompletionTarget(fake_url, "fake-model"), reqs, 200.0, 0, max_concurrency=2))
+    assert all(r.success and r.output_tokens == 3 for r in results)
+
+
+def test_cli_writes_json_and_png_against_any_server(fake_url: str, tmp_path: Path, capsys) -> None:
+    code = serve.main(["--base-url", fake_url, "--baselines", "none", "--num-requests", "6",
+                       "--output-tokens", "2,5", "--concurrency", "1,3", "--out-dir", str(tmp_path),
+                       "--tag", "run"])
+    assert code == 0
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert {"workload", "systems", "ratios", "recorded_peers", "skipped", "machine", "server", "mode",
+            "plot"} <= set(doc)
+    assert doc["server"]["model_name"] == "fake-model"
+    runs = doc["systems"]["server"]["runs"]
+    assert [r["x"] for r in runs] == [1, 3]
+    for run in runs:
+        m = run["metrics"]
+        assert m["completed"] == 6 and m["errors"] == 0 and m["output_length_mismatches"] == 0
+        assert m["total_output_tokens"] == doc["workload"]["output_tokens_total"]
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(m[key]) == {"mean", "p50", "p90", "p99"}
+        assert m["ttft_ms"]["p99"] <= m["e2el_ms"]["p99"]
+    assert all(p["note"] == "recorded, not measured in this run" for p in doc["recorded_peers"])
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "recorded, not measured in this run" in out and "out tok/s" in out
+
+
+def test_cli_exit_code_reports_request_errors(tmp_path: Path) -> None:
+    with live_server(fake_openai_app()) as url:
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text('{"prompt": "FAIL"}\n{"prompt": "ok"}\n')
+        code = serve.main(["--base-url", url, "--baselines", "none", "--dataset", "prompts",
+                           "--prompts-file", str(prompts), "--num-requests", "2", "--output-tokens", "2,2",
+                           "--concurrency", "2", "--warmup", "0", "--out-dir", str(tmp_path), "--tag", "e"])
+    assert code == 1
+    assert json.loads((tmp_path / "e.json").read_text())["systems"]["server"]["runs"][0]["metrics"]["errors"] == 1
+
+
+# ---- beam case -------------------------------------------------------------------------------------
+def test_beam_case_without_engine_stats_still_times(fake_url: str) -> None:
+    res = asyncio.run(run_beam_case(fake_url, "fake-model", max_tokens=5))
+    assert res["greedy"]["status"] == 200 and res["beam"]["status"] == 200
+    assert res["beam"]["request"]["num_beams"] == 4 and res["beam"]["request"]["temperature"] == 0
+    assert res["time_ratio"] is not None and res["time_ratio"] > 1
+    assert not res["engine_stats_available"] and res["kv_blocks_ratio"] is None
+
+
+def test_beam_case_reads_kv_blocks_when_available(tmp_path: Path) -> None:
+    with live_server(fake_openai_app(with_stats=True)) as url:
+        res = asyncio.run(run_beam_case(url, "fake-model", max_tokens=20))
+        code = serve.main(["--base-url", url, "--beam-case", "--beam-max-tokens", "4",
+                           "--out-dir", str(tmp_path), "--tag", "beam"])
+    assert res["engine_stats_available"]
+    assert res["greedy"]["kv_blocks_used_peak_sampled"] == 2 and res["beam"]["kv_blocks_used_peak_sampled"] == 8
+    assert res["kv_blocks_ratio"] == pytest.approx(4.0)
+    assert code == 0 and "beam_case" in json.loads((tmp_path / "beam.json").read_text())
+
+
+def test_launch_command_binds_loopback() -> None:
+    cmd = beamline_command(1234, "m.gguf", ["--dtype", "float32"])
+    assert cmd[1:4] == ["-m", "server.cli", "serve"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "1234"
+    assert cmd[-2:] == ["--dtype", "float32"]
+
+
+# ---- HF baseline on a tiny model -------------------------------------------------------------------
+def test_hf_static_batching_times_each_request_and_pads_to_the_longest(llama_dir: Path) -> None:
+    hf = load_hf_model(str(llama_dir), "float32")
+    reqs = [BenchRequest(0, "Hello world", 3), BenchRequest(1, "The quick brown fox jumps", 7),
+            BenchRequest(2, "Once upon a time", 5)]
+    results, duration = run_static_batches(hf, reqs, batch_size=2)
+    assert [r.output_tokens for r in results] == [3, 7, 5]  # own tokens only, not the batch's 7
+    assert [len(r.itl) for r in results] == [2, 6, 4]
+    first, second = results[0], results[1]
+    assert first.e2el == second.e2el  # a static batch answers everyone when its longest member ends
+    assert all(0 < r.ttft <= r.e2el <= duration for r in results)
+    assert results[0].prompt_tokens < results[1].prompt_tokens
+    seq, _ = run_static_batches(hf, reqs[:1], batch_size=1)
+    assert seq[0].text == results[0].text  # left padding doesn't change greedy output
