@@ -58,7 +58,10 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
 
 def tokenize_prompt(ctx: ServingContext, prompt: str | list[int], param: str) -> list[int]:
     if isinstance(prompt, str):
-        ids = ctx.tokenizer(prompt, add_special_tokens=True).input_ids
+        try:
+            ids = ctx.tokenizer(prompt, add_special_tokens=True).input_ids
+        except Exception as exc:  # e.g. lone surrogates that cannot be encoded
+            raise bad_request(f"prompt cannot be tokenized: {exc}", param, "invalid_prompt") from exc
     else:
         ids = list(prompt)
         bad = [t for t in ids if t >= ctx.vocab_size]
@@ -102,6 +105,7 @@ def decoding_params(
     max_tokens: int | None,
     logprobs: int | None,
     logprobs_param: str = "logprobs",
+    max_tokens_param: str = "max_tokens",
 ) -> DecodingParams:
     """Build DecodingParams; limits that depend on the server (context, caps) are checked here.
 
@@ -123,7 +127,7 @@ def decoding_params(
         raise bad_request(
             f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
             f"{prompt_len} tokens and max_tokens asks for {max_tokens} more",
-            "max_tokens" if room >= 1 else "prompt",
+            max_tokens_param if room >= 1 else "prompt",
             "context_length_exceeded",
         )
     same_name = {name: getattr(req, name) for name in _SHARED_FIELDS}
@@ -137,7 +141,23 @@ def decoding_params(
         logprobs=logprobs,
     )
     check_caps(params, max(cfg.max_n, cfg.max_best_of, cfg.max_num_beams), cfg.max_logprobs, ctx.vocab_size)
+    _check_fits_kv_pool(ctx, params, prompt_len, max_tokens_param)
     return params
+
+
+def _check_fits_kv_pool(ctx: ServingContext, params: DecodingParams, prompt_len: int, max_tokens_param: str) -> None:
+    """Refuse what could never run: after a preemption every row recomputes its whole sequence
+    without sharing, so the pool must hold width x (prompt + max_tokens) tokens; otherwise the
+    request would be preempted forever and hold up everyone else."""
+    pool = ctx.engine.engine.pool
+    need = params.width * -(-(prompt_len + params.max_tokens) // pool.block_size)
+    if need > pool.num_blocks:
+        param = {"beam": "num_beams", "group_beam": "num_beams", "beam_sample": "num_beams",
+                 "best_of": "best_of"}.get(params.strategy, "n" if params.width > 1 else max_tokens_param)
+        raise bad_request(
+            f"this request needs up to {need} KV-cache blocks ({params.width} rows x "
+            f"{prompt_len + params.max_tokens} tokens) but the server's pool has {pool.num_blocks}; "
+            f"lower {param}", param, "kv_cache_too_small")
 
 
 def _bad_words(ctx: ServingContext, req: SamplingFields) -> tuple[tuple[int, ...], ...]:
@@ -187,7 +207,8 @@ def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
     ids = chat_prompt_ids(ctx, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = decoding_params(ctx, req, len(ids), req.max_completion_tokens or req.max_tokens, logprobs,
-                             "top_logprobs")
+                             "top_logprobs",
+                             "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     return Job(ids, params, 0)
 
 

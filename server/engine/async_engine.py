@@ -66,7 +66,10 @@ class AsyncEngine:
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def emit(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:  # the consumer's event loop is gone: nobody will read this
+                self.engine.abort(request_id)
 
         self.engine.submit(EngineRequest(request_id, prompt_ids, params, emit, trace_id=request_id_var.get()))
         done = False

@@ -410,6 +410,7 @@ class Engine:
             self._texts.pop(seq.seq_id, None)
         self._requests.pop(req.request_id, None)
         self._record_request_end(req, reason)
+        self._record_state()
 
     def _end_request(self, req: EngineRequest, reason: str, error: str | None = None) -> None:
         """Abort or fail a request that has not finished: one last output ends its stream."""
@@ -431,9 +432,12 @@ class Engine:
         self.stats.preemptions += len(plan.preempted)
         used = self.pool.num_blocks - self.pool.num_free
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
+        if self.metrics is not None and plan.preempted:
+            self.metrics.record_preemptions(len(plan.preempted))
+        self._record_state()
+
+    def _record_state(self) -> None:
         if self.metrics is not None:
-            if plan.preempted:
-                self.metrics.record_preemptions(len(plan.preempted))
             self.metrics.set_scheduler_state(
                 running=self.num_running, waiting=self.num_waiting, kv_cache_usage=self.pool.usage
             )

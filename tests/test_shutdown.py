@@ -1,0 +1,134 @@
+"""SIGTERM on the real CLI: /ready and new requests answer 503 (`draining`), in-flight requests
+(streaming and not) run to their last token, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.live_server import free_port
+from tests.reliability_helpers import assert_openai_error, sse_payloads
+
+REPO = Path(__file__).resolve().parents[1]
+STARTUP_S = 120
+IN_FLIGHT_TOKENS = 200  # long enough to still be running while the drain is checked
+DRAIN_TIMEOUT_S = 20
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode} while starting:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"server not healthy after {STARTUP_S}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def served(llama_dir: Path, tmp_path: Path) -> Iterator[Served]:
+    port = free_port()
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(llama_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--num-kv-blocks", "256", "--drain-timeout", str(DRAIN_TIMEOUT_S)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, log)
+        yield Served(proc, url, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+BODY = {"prompt": "Once upon a time", "max_tokens": IN_FLIGHT_TOKENS, "ignore_eos": True, "temperature": 0}
+
+
+def streamed_request(url: str, started: threading.Event) -> int:
+    """Stream a long completion; set `started` at the first event; return its completion tokens."""
+    body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        text = ""
+        for chunk in r.iter_text():
+            text += chunk
+            started.set()
+    payloads = sse_payloads(text)
+    assert payloads[-1] == "[DONE]", payloads[-3:]
+    return json.loads(payloads[-2])["usage"]["completion_tokens"]
+
+
+def plain_request(url: str) -> int:
+    r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["completion_tokens"]
+
+
+def wait_in_flight(url: str, count: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/v1/engine/stats", timeout=5).json()["num_requests_running"] < count:
+        assert time.monotonic() < deadline, "the in-flight requests never started"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: Served) -> None:
+    url = served.url
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        started = [threading.Event() for _ in range(3)]
+        streams: list[Future[int]] = [pool.submit(streamed_request, url, ev) for ev in started]
+        plain = pool.submit(plain_request, url)
+        for ev in started:
+            assert ev.wait(60), "a stream never started"
+        wait_in_flight(url, 4)
+
+        served.proc.send_signal(signal.SIGTERM)
+        t_sigterm = time.monotonic()
+        time.sleep(0.2)  # the handler runs on the server's event loop
+
+        ready = httpx.get(f"{url}/ready", timeout=5)
+        assert_openai_error(ready, 503, code="draining")
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=5)
+        assert_openai_error(refused, 503, code="draining")
+        assert refused.headers.get("retry-after")
+        refused_chat = httpx.post(f"{url}/v1/chat/completions", timeout=5,
+                                  json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        assert_openai_error(refused_chat, 503, code="draining")
+        assert served.proc.poll() is None, "the server exited before its in-flight requests finished"
+
+        # Every in-flight request runs to its last token.
+        assert [f.result(timeout=DRAIN_TIMEOUT_S + 30) for f in streams] == [IN_FLIGHT_TOKENS] * 3
+        assert plain.result(timeout=DRAIN_TIMEOUT_S + 30) == IN_FLIGHT_TOKENS
+
+    returncode = served.proc.wait(timeout=DRAIN_TIMEOUT_S + 30)
+    log = served.log.read_text()
+    assert returncode == 0, log[-3000:]
+    assert time.monotonic() - t_sigterm < DRAIN_TIMEOUT_S, "the drain waited for its timeout, not the requests"
+    assert "Traceback" not in log, log[-3000:]
