@@ -121,8 +121,11 @@ def decoding_params(
         if value > cap:
             raise bad_request(f"{name} must be <= {cap} on this server (got {value})", name, "above_limit")
     room = ctx.max_model_len - prompt_len
-    if max_tokens is None:
-        max_tokens = room
+    if max_tokens is None:  # the rest of the context, within what the KV pool holds for every row
+        pool = ctx.engine.engine.pool
+        width = req.num_beams if req.num_beams > 1 else max(req.n, req.best_of or 1)
+        max_tokens = min(room, (pool.num_blocks // width) * pool.block_size - prompt_len)
+        room = max(min(room, max_tokens), 0)
     if room < 1 or max_tokens > room:
         raise bad_request(
             f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
