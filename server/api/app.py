@@ -51,6 +51,9 @@ class ServingState:
         if self.draining:
             raise APIError(503, "server is shutting down", code="draining", headers={"Retry-After": "10"})
         capacity = self.config.max_num_seqs + self.config.max_waiting_requests
+        if count > capacity:  # could never be admitted: retrying would not help
+            raise APIError(400, f"this request has {count} prompts but the server admits at most "
+                           f"{capacity} at once", param="prompt", code="too_many_prompts")
         if self.in_flight + count > capacity:
             if ctx.metrics is not None:
                 ctx.metrics.record_request_failure(reason="overloaded")
