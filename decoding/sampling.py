@@ -100,15 +100,6 @@ class SamplingTensors:
             ],
         )
 
-    @classmethod
-    def from_params(
-        cls, params: Sequence[DecodingParams], vocab_size: int, device: torch.device | str
-    ) -> SamplingTensors:
-        """Legacy entry point without token histories: history-based processors see no tokens
-        and min_tokens knows no EOS id. Prefer `from_rows`."""
-        empty: list[list[int]] = [[] for _ in params]
-        return cls.from_rows(params, empty, empty, (), vocab_size, device)
-
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Processed float32 scores [R, V]; `logits` is left untouched (logprobs read it raw).

@@ -230,8 +230,7 @@ class Engine:
     def _token_logprobs(
         self, rows: list[Sequence], logits: torch.Tensor, tokens: list[int], wanted: list[int]
     ) -> dict[int, TokenLogprob]:
-        wanted = [r for r in wanted if rows[r].request.search is None]
-        if not wanted:
+        if not wanted:  # `logprob_rows` lists non-beam rows only: beams keep their own (below)
             return {}
         top = max(rows[r].request.params.logprobs or 0 for r in wanted)
         lp = token_logprobs(logits, [tokens[r] for r in wanted], rows=wanted, num_top=top)
