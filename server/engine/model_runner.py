@@ -21,6 +21,7 @@ from server.engine.attention import (
     StepContext,
     make_paged_attention,
 )
+from server.engine.cpu_linear import TransposedLinear, transpose_linears
 from server.engine.quantization import quantized_lm_head
 from server.engine.sequence import Sequence
 
@@ -81,6 +82,10 @@ class ModelRunner:
         head = self.model.get_output_embeddings()
         self.vocab_size = head.weight.shape[0]
         self.lm_head = quantized_lm_head(head, device, quantization)
+        if device.type == "cpu":
+            transpose_linears(self.decoder)
+            if self.lm_head is head:  # an untied copy: the embedding keeps the [vocab, hidden] table
+                self.lm_head = TransposedLinear.from_linear(head)
         self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 

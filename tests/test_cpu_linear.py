@@ -1,0 +1,46 @@
+"""The CPU weight layout: transposed linears compute what nn.Linear computes, and the runner uses them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from server.engine.cpu_linear import TransposedLinear, transpose_linears
+from tests.conftest import make_engine
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(3, 7), (1, 5, 7), (2, 4, 7)])
+def test_transposed_linear_matches_nn_linear(bias: bool, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(7, 11, bias=bias)
+    x = torch.randn(*shape)
+    fast = TransposedLinear.from_linear(linear)
+    assert fast.weight_t.shape == (7, 11) and fast.weight_t.is_contiguous()
+    torch.testing.assert_close(fast(x), linear(x), atol=1e-6, rtol=1e-6)
+    assert fast(x).shape == (*shape[:-1], 11)
+
+
+def test_transpose_linears_replaces_every_linear_and_nothing_else() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)))
+    x = torch.randn(2, 4)
+    expected = model(x)
+    assert transpose_linears(model) == 2
+    assert [type(m) for m in model.modules()].count(nn.Linear) == 0
+    assert isinstance(model[1], nn.GELU) and isinstance(model[2][1], nn.LayerNorm)
+    torch.testing.assert_close(model(x), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_cpu_runner_runs_transposed_linears_with_an_untied_head(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    runner = engine.runner
+    linears = [m for m in runner.decoder.modules() if isinstance(m, nn.Linear)]
+    assert linears == []
+    assert isinstance(runner.lm_head, TransposedLinear)
+    # Tied model: the embedding keeps its own [vocab, hidden] table, the head holds the transpose.
+    embedding = runner.model.get_input_embeddings().weight
+    assert runner.lm_head.weight_t.data_ptr() != embedding.data_ptr()
+    torch.testing.assert_close(runner.lm_head.weight_t.t(), embedding)
