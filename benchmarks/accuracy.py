@@ -31,6 +31,7 @@ FORMATS = {
     "bf16": (torch.bfloat16, "none"),
     "int8": (torch.float32, "int8"),  # int8 LM head, fp32 body
     "bf16-int8": (torch.bfloat16, "int8"),  # int8 LM head, bf16 body
+    "int8-weights": (torch.float32, "int8-weights"),  # int8 LM head, weight-only int8 body
 }
 
 

@@ -19,7 +19,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, help="where converted GGUF models are kept")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", choices=["none", "int8"], help="int8: int8 LM head (CPU)")
+    p.add_argument(
+        "--quantization", choices=["none", "int8", "int8-weights"],
+        help="CPU only. int8: int8 LM head; int8-weights: also weight-only int8 decoder layers",
+    )
     p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
     p.add_argument("--kv-cache-memory", help="KV pool size, e.g. 1GiB")
     p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides memory)")

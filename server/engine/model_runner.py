@@ -22,7 +22,7 @@ from server.engine.attention import (
     make_paged_attention,
 )
 from server.engine.cpu_linear import TransposedLinear, transpose_linears
-from server.engine.quantization import quantized_lm_head
+from server.engine.quantization import quantize_decoder_weights, quantized_lm_head
 from server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,8 @@ class ModelRunner:
         head = self.model.get_output_embeddings()
         self.vocab_size = head.weight.shape[0]
         self.lm_head = quantized_lm_head(head, device, quantization)
+        if quantization == "int8-weights":
+            quantize_decoder_weights(self.decoder, device)
         if device.type == "cpu":
             transpose_linears(self.decoder)
             if self.lm_head is head:  # an untied copy: the embedding keeps the [vocab, hidden] table

@@ -1,12 +1,17 @@
-"""Opt-in weight formats for the CPU, the largest CPU lever measured here (see README, Performance).
+"""Opt-in weight formats for the CPU (see README, Performance, for speed and accuracy).
 
 `int8` quantizes the LM head only: an untied copy of it with int8 weights and per-output-channel
-scales, run with PyTorch's dynamic quantized kernels (activations quantized on the fly). With
-Gemma's 262k-token vocabulary the head is most of a CPU step. Quantizing the 18 decoder layers the
-same way was measured too and nearly doubled Gemma 3 270M's perplexity on the bundled text
-(32.0 -> 54), while the int8 head alone moves it to 32.4; so the body keeps its dtype (combine with
-`--dtype bfloat16` for a faster body: 32.1). `benchmarks/accuracy.py` reports perplexity and greedy
-agreement against fp32. CPU only: the dynamic quantized kernels are CPU kernels.
+scales, run with PyTorch's dynamic quantized kernels (activations quantized on the fly, per batch).
+With Gemma's 262k-token vocabulary the head is most of a CPU step.
+
+`int8-weights` adds *weight-only* int8 for the decoder's linear layers: int8 weights with
+per-output-channel scales, bf16 activations, no activation quantization. Quantizing the decoder
+layers dynamically (activations too, like the head) was measured and rejected: it nearly doubled
+Gemma 3 270M's perplexity on the bundled text (32.0 -> 54), because Gemma's activations have outlier
+channels that a per-tensor int8 scale flattens. Weight-only keeps them.
+
+`benchmarks/accuracy.py` reports perplexity and greedy agreement of each format against fp32.
+CPU only: both kernels are CPU kernels.
 """
 
 from __future__ import annotations
@@ -18,14 +23,67 @@ import torch
 
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int8-weights")
+
+
+class Int8WeightOnlyLinear(torch.nn.Module):
+    """A linear layer with int8 weights and per-output-channel scales; activations stay floating.
+
+    Runs PyTorch's weight-only int8 kernel (`aten._weight_int8pack_mm`), which takes bfloat16
+    activations: the input is rounded to bf16 for the product and the output returned in the
+    input's dtype. Unlike dynamic quantization, no activation is quantized, so Gemma's outlier
+    channels survive and a row's result never depends on the other rows of the batch.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        weight = weight.detach().float()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+
+def kernel_supports(in_features: int) -> bool:
+    """`_weight_int8pack_mm` on the CPU needs K % 16 == 0: other sizes gave wrong sums (K = 8, 24)
+    or crashed (K = 7) in torch 2.13, so such layers keep their floating-point weights."""
+    return in_features % 16 == 0
+
+
+def quantize_decoder_weights(decoder: torch.nn.Module, device: torch.device) -> int:
+    """Replace the linear layers under `decoder` by Int8WeightOnlyLinear; returns the count."""
+    if device.type != "cpu":
+        raise ValueError("int8-weights runs on the CPU only; use --dtype bfloat16 on CUDA")
+    targets = [
+        (parent, name, child)
+        for parent in decoder.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, torch.nn.Linear) and kernel_supports(child.in_features)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, Int8WeightOnlyLinear(child.weight, child.bias))
+    log.info("decoder quantized: %d linear layers with int8 weights (weight-only)", len(targets))
+    return len(targets)
 
 
 def quantized_lm_head(head: torch.nn.Module, device: torch.device, method: str) -> torch.nn.Module:
     """The LM head to run: `head` itself, or an int8 copy of it (which takes float32 inputs)."""
     if method == "none":
         return head
-    if method != "int8":
+    if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
     if device.type != "cpu":
         raise ValueError("int8 dynamic quantization runs on the CPU only; use --dtype bfloat16 on CUDA")
