@@ -31,7 +31,7 @@ class Run:
 class SystemResult:
     name: str
     label: str
-    kind: str  # "server" | "static-batching" | "sequential"
+    kind: str  # "server" | "server-variant" (--compare-beamline) | "static-batching" | "sequential"
     runs: list[Run] = field(default_factory=list)
     info: dict = field(default_factory=dict)
 

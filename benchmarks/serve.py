@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--model-name", help="`model` field of requests (default: first id of GET /v1/models)")
     target.add_argument("--label", help="name of the system under test (default: beamline if launched, else server)")
     target.add_argument("--beamline-args", default="", help="extra `beamline serve` flags, e.g. \"--max-num-seqs 16\"")
+    target.add_argument("--compare-beamline", action="append", default=[], metavar="LABEL=ARGS",
+                        help="also launch beamline with these extra flags, same load, after the main run "
+                        "(repeatable), e.g. 'fp32-native=--quantization none'; ratios are main / this")
     target.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for /health")
     target.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="don't send ignore_eos (for servers without it); output lengths then vary")
@@ -141,6 +144,14 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown baseline(s) {sorted(unknown)}; choose from {', '.join(ALL_BASELINES)} or none")
     args.baseline_names = names
+    args.variants = []
+    for spec in args.compare_beamline:
+        label, sep, extra = spec.partition("=")
+        if not sep or not label.strip():
+            parser.error(f"--compare-beamline takes LABEL=ARGS, got {spec!r}")
+        args.variants.append((label.strip(), extra))
+    if args.variants and not args.launch_beamline:
+        parser.error("--compare-beamline needs --launch-beamline")
     args.label = args.label or ("beamline" if args.launch_beamline else "server")
     return args
 
@@ -160,20 +171,23 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 # ---- the system under test ---------------------------------------------------------------------------
-async def bench_server(args: argparse.Namespace, target: CompletionTarget, workload: Workload) -> SystemResult:
+async def bench_server(
+    args: argparse.Namespace, target: CompletionTarget, workload: Workload, label: str | None = None
+) -> SystemResult:
+    label = label or args.label
     async with make_client(1, target.request_timeout_s, target.api_key) as client:
         for i in range(args.warmup):
             await stream_completion(client, target, BenchRequest(-1 - i, workload.requests[0].prompt, 4))
-    result = SystemResult(args.label, args.label, "server", info={"base_url": target.base_url, "model": target.model})
+    result = SystemResult(label, label, "server", info={"base_url": target.base_url, "model": target.model})
     for level in args.levels:
         if args.mode == "concurrency":
-            res, dur = await run_concurrency(target, workload.requests, int(level), f"{args.label} c={level:g}")
+            res, dur = await run_concurrency(target, workload.requests, int(level), f"{label} c={level:g}")
         else:
             res, dur = await run_poisson(target, workload.requests, level, args.seed, args.max_concurrency,
-                                         f"{args.label} rate={level:g}")
+                                         f"{label} rate={level:g}")
         result.runs.append(Run(level, summarize(res, dur)))
         m = result.runs[-1].metrics
-        tqdm.write(f"{args.label} {'c' if args.mode == 'concurrency' else 'rate'}={level:g}: "
+        tqdm.write(f"{label} {'c' if args.mode == 'concurrency' else 'rate'}={level:g}: "
                    f"{m['output_throughput']:.1f} out tok/s, {m['errors']} errors", file=sys.stderr)
     async with make_client(1, 30.0, target.api_key) as client:
         stats = await engine_stats(client, target.base_url.rstrip("/"))
@@ -268,13 +282,15 @@ def server_log_path(args: argparse.Namespace) -> Path:
     return args.out_dir / "beamline-server.log"
 
 
-async def _measure(args: argparse.Namespace, base_url: str, workload: Workload) -> tuple[SystemResult | dict, str]:
+async def _measure(
+    args: argparse.Namespace, base_url: str, workload: Workload, label: str | None = None
+) -> tuple[SystemResult | dict, str]:
     model = args.model_name or first_model_id(base_url, args.api_key)
     if args.beam_case:
         res = await run_beam_case(base_url, model, args.beam_max_tokens, args.ignore_eos, api_key=args.api_key)
         return res, model
     target = CompletionTarget(base_url, model, args.ignore_eos, args.request_timeout, api_key=args.api_key)
-    return await bench_server(args, target, workload), model
+    return await bench_server(args, target, workload, label), model
 
 
 def measure_server(args: argparse.Namespace, workload: Workload) -> tuple[SystemResult | dict, dict]:
@@ -288,6 +304,19 @@ def measure_server(args: argparse.Namespace, workload: Workload) -> tuple[System
         res, model = asyncio.run(_measure(args, url, workload))
     return res, {"base_url": url, "model_name": model, "launch_seconds_to_healthy": ready_s,
                  "launch_args": extra}
+
+
+def measure_variants(args: argparse.Namespace, workload: Workload) -> list[SystemResult]:
+    """Each --compare-beamline configuration, launched in turn on the same workload and load levels."""
+    systems = []
+    for label, flags in args.variants:
+        extra = ["--dtype", args.dtype, *shlex.split(flags)]
+        with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (url, _):
+            result, _model = asyncio.run(_measure(args, url, workload, label))
+        result.kind = "server-variant"
+        result.info["launch_args"] = extra
+        systems.append(result)
+    return systems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +339,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if measured["greedy"]["status"] == 200 and measured["beam"]["status"] == 200 else 1
     ours: SystemResult = measured
     phases = {"system_under_test": time.time() - started}
+    t0 = time.time()
+    try:
+        variants = measure_variants(args, workload) if not args.beam_case else []
+    except LaunchError as exc:
+        print(f"benchmarks.serve: could not start a --compare-beamline server: {exc}", file=sys.stderr)
+        return 2
+    if variants:
+        phases["compared_beamlines"] = time.time() - t0
     baselines, skipped = run_baselines(args, workload, phases)
+    baselines = variants + baselines
     doc = {
         "benchmark": "serve", **common,
         "mode": args.mode, "short": args.short, "ignore_eos": args.ignore_eos,
@@ -330,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_results(doc, png_path)
     print(format_report(doc))
     print(f"\nwrote {json_path}\nwrote {png_path}")
-    errors = sum(r.metrics["errors"] for r in ours.runs)
+    errors = sum(r.metrics["errors"] for s in (ours, *variants) for r in s.runs)
     return 1 if errors else 0
 
 

@@ -31,6 +31,7 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         kv_cache_bytes=config.kv_cache_memory,
         num_blocks=config.num_kv_blocks,
         quantization=config.quantization,
+        linear_layout=config.linear_layout,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     name = config.served_model_name or served_model_name(config.model)

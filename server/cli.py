@@ -23,6 +23,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--quantization", choices=["none", "int8", "int8-weights"],
         help="CPU only. int8: int8 LM head; int8-weights: also weight-only int8 decoder layers",
     )
+    p.add_argument(
+        "--linear-layout", choices=["auto", "transposed", "native"],
+        help="linear weights stored [in, out] (transposed: faster small-batch GEMMs on CPU) or as loaded",
+    )
     p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
     p.add_argument("--kv-cache-memory", help="KV pool size, e.g. 1GiB")
     p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides memory)")

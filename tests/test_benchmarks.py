@@ -336,3 +336,24 @@ def test_hf_static_batching_times_each_request_and_pads_to_the_longest(llama_dir
     assert results[0].prompt_tokens < results[1].prompt_tokens
     seq, _ = run_static_batches(hf, reqs[:1], batch_size=1)
     assert seq[0].text == results[0].text  # left padding doesn't change greedy output
+
+
+def test_compare_beamline_takes_label_equals_flags_and_needs_a_launched_server() -> None:
+    args = serve.resolve_args(["--launch-beamline", "--compare-beamline", "int8=--quantization int8",
+                               "--compare-beamline", "plain="])
+    assert args.variants == [("int8", "--quantization int8"), ("plain", "")]
+    with pytest.raises(SystemExit):
+        serve.resolve_args(["--launch-beamline", "--compare-beamline", "no-equals-sign"])
+    with pytest.raises(SystemExit):
+        serve.resolve_args(["--base-url", "http://127.0.0.1:1", "--compare-beamline", "x=--dtype float32"])
+
+
+def test_a_compared_beamline_is_matched_level_by_level() -> None:
+    def system(name: str, kind: str, tps: list[float]) -> SystemResult:
+        runs = [Run(x, {"completed": 4, "output_throughput": t}) for x, t in zip((1, 16), tps)]
+        return SystemResult(name, name, kind, runs)
+
+    ours = system("beamline", "server", [20.0, 120.0])
+    before = system("before", "server-variant", [10.0, 40.0])
+    rows = ratio_rows(ours, [before])
+    assert [(r["x"], r["output_throughput_ratio"]) for r in rows] == [(1, 2.0), (16, 3.0)]

@@ -44,3 +44,25 @@ def test_cpu_runner_runs_transposed_linears_with_an_untied_head(llama_dir: Path)
     embedding = runner.model.get_input_embeddings().weight
     assert runner.lm_head.weight_t.data_ptr() != embedding.data_ptr()
     torch.testing.assert_close(runner.lm_head.weight_t.t(), embedding)
+
+
+def test_native_layout_keeps_nn_linear_and_gives_the_same_tokens(llama_dir: Path) -> None:
+    from decoding import DecodingParams
+    from server.engine.engine import Engine
+    from server.engine.model_runner import ModelRunner
+    from tests.engine_driver import generate
+
+    fast = make_engine(llama_dir)
+    runner = ModelRunner(llama_dir, device=torch.device("cpu"), dtype=torch.float32, block_size=4,
+                         num_blocks=256, linear_layout="native")
+    assert any(isinstance(m, nn.Linear) for m in runner.decoder.modules())
+    assert not any(isinstance(m, TransposedLinear) for m in runner.decoder.modules())
+    native = Engine(runner, fast.tokenizer)
+    prompts = [fast.tokenizer(p).input_ids for p in ("The quick brown fox", "Once upon a time")]
+    params = DecodingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [r.token_ids for r in generate(fast, prompts, params)] == [
+        r.token_ids for r in generate(native, prompts, params)
+    ]
+    with pytest.raises(ValueError, match="linear_layout"):
+        ModelRunner(llama_dir, device=torch.device("cpu"), dtype=torch.float32, block_size=4,
+                    num_blocks=8, linear_layout="sideways")

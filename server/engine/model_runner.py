@@ -68,6 +68,7 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         num_blocks: int | None = None,
         quantization: str = "none",
+        linear_layout: str = "auto",
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -82,9 +83,11 @@ class ModelRunner:
         head = self.model.get_output_embeddings()
         self.vocab_size = head.weight.shape[0]
         self.lm_head = quantized_lm_head(head, device, quantization)
+        if linear_layout not in ("auto", "transposed", "native"):
+            raise ValueError(f"linear_layout must be auto, transposed or native; got {linear_layout!r}")
         if quantization == "int8-weights":
             quantize_decoder_weights(self.decoder, device)
-        if device.type == "cpu":
+        if linear_layout == "transposed" or (linear_layout == "auto" and device.type == "cpu"):
             transpose_linears(self.decoder)
             if self.lm_head is head:  # an untied copy: the embedding keeps the [vocab, hidden] table
                 self.lm_head = TransposedLinear.from_linear(head)
