@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 from transformers import AutoTokenizer
 
 from server.api.serving import ServingContext
@@ -23,6 +24,9 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     device = pick_device(config.device)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    log.info("torch intra-op threads: %d", torch.get_num_threads())
     runner = ModelRunner(
         model_dir,
         device=device,

@@ -44,6 +44,9 @@ class ServerConfig(BaseModel):
     linear_layout: Literal["auto", "transposed", "native"] = Field(
         "auto", description="weights of linear layers; auto = transposed on CPU, native on CUDA"
     )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads for the CPU step; empty = one per core"
+    )
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_memory: int = Field(1024**3, gt=0, description="bytes for the KV pool, e.g. 1GiB")
     num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory")

@@ -54,7 +54,8 @@ def served(llama_dir: Path, tmp_path: Path) -> Iterator[Served]:
     port = free_port()
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(llama_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--num-kv-blocks", "256", "--drain-timeout", str(DRAIN_TIMEOUT_S)]
+           "--port", str(port), "--num-kv-blocks", "256", "--drain-timeout", str(DRAIN_TIMEOUT_S),
+           "--num-threads", "1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -101,6 +102,7 @@ def wait_in_flight(url: str, count: int, timeout: float = 30) -> None:
 @pytest.mark.timeout(240)
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: Served) -> None:
     url = served.url
+    assert "torch intra-op threads: 1" in served.log.read_text()  # --num-threads reached torch
     with ThreadPoolExecutor(max_workers=4) as pool:
         started = [threading.Event() for _ in range(3)]
         streams: list[Future[int]] = [pool.submit(streamed_request, url, ev) for ev in started]
