@@ -70,6 +70,7 @@ class EngineRequest:
     first_token_time: float | None = None
     last_token_time: float | None = None
     generated_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache when it was first scheduled
     finished: bool = False
 
     @property
