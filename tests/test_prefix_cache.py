@@ -3,12 +3,15 @@ engine's outputs are exactly those without the cache (greedy, n, beams, preempti
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 
 import pytest
 
 from decoding import DecodingParams
+from server.cli import _add_serve_args
+from server.config import load_config
 from server.engine.block_pool import BlockPool
 from server.engine.engine import Engine
 from server.engine.prefix_cache import PrefixCache, hash_block
@@ -318,3 +321,16 @@ def test_preempted_requests_resume_from_their_cached_blocks(llama_dir: Path) -> 
     assert tokens(generate(small, prompts, params)) == expected
     assert small.stats.preemptions > 0 and small.stats.prefix_cache_hits > 0
     assert_all_blocks_back(small)
+
+
+# ---- configuration, metrics, engine stats --------------------------------------------------------
+def test_the_flag_and_env_var_turn_the_cache_off() -> None:
+    parser = argparse.ArgumentParser()
+    _add_serve_args(parser)
+    args = vars(parser.parse_args(["--no-enable-prefix-caching"]))
+    assert load_config(None, args, environ={}).enable_prefix_caching is False
+    assert load_config(None, {}, environ={}).enable_prefix_caching is True
+    env = {"BEAMLINE_ENABLE_PREFIX_CACHING": "false"}
+    assert load_config(None, {}, environ=env).enable_prefix_caching is False
+    args = vars(parser.parse_args(["--enable-prefix-caching"]))
+    assert load_config(None, args, environ=env).enable_prefix_caching is True
