@@ -7,9 +7,11 @@ import argparse
 import random
 from pathlib import Path
 
+import httpx
 import pytest
 
 from decoding import DecodingParams
+from server.api.app import create_app
 from server.cli import _add_serve_args
 from server.config import load_config
 from server.engine.block_pool import BlockPool
@@ -17,8 +19,9 @@ from server.engine.engine import Engine
 from server.engine.prefix_cache import PrefixCache, hash_block
 from server.engine.scheduler import Scheduler, StepPlan
 from server.engine.sequence import Sequence
-from tests.conftest import make_engine
+from tests.conftest import make_engine, serving_context
 from tests.engine_driver import Collected, generate, run_to_completion, stub_rows, submit
+from tests.test_metrics_wiring import samples
 
 GREEDY = DecodingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -334,3 +337,33 @@ def test_the_flag_and_env_var_turn_the_cache_off() -> None:
     assert load_config(None, {}, environ=env).enable_prefix_caching is False
     args = vars(parser.parse_args(["--enable-prefix-caching"]))
     assert load_config(None, args, environ=env).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_metrics_and_engine_stats_report_the_hits(llama_dir: Path, enabled: bool) -> None:
+    ctx = serving_context(make_engine(llama_dir, enable_prefix_caching=enabled))
+    prompt = shared_prefix_prompts(seed=6, prefix_len=20, count=1)[0]  # 21 + k tokens
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    try:
+        app = create_app(ctx=ctx)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            texts = []
+            for _ in range(2):
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200
+                texts.append(r.json()["choices"][0]["text"])
+            m = samples((await c.get("/metrics")).text)
+            stats = (await c.get("/v1/engine/stats")).json()
+    finally:
+        ctx.engine.shutdown()
+    assert texts[0] == texts[1]
+    hits = (len(prompt) - 1) // 4 * 4 if enabled else 0
+    queries = 2 * len(prompt) if enabled else 0
+    assert m[("beamline:prefix_cache_queries_total", ())] == queries
+    assert m[("beamline:prefix_cache_hits_total", ())] == hits
+    assert stats["prefix_caching"] is enabled
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (queries, hits)
+    assert stats["prefix_cache_hit_rate"] == pytest.approx(hits / queries if enabled else 0.0)
+    # Prompt blocks plus the 3 computed answer tokens' blocks stay cached (evictable), and free.
+    assert stats["kv_blocks_cached"] == ((len(prompt) + 3) // 4 if enabled else 0)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
