@@ -347,17 +347,19 @@ async def test_metrics_and_engine_stats_report_the_hits(llama_dir: Path, enabled
     try:
         app = create_app(ctx=ctx)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            texts = []
+            texts, cached = [], []
             for _ in range(2):
                 r = await c.post("/v1/completions", json=body)
                 assert r.status_code == 200
                 texts.append(r.json()["choices"][0]["text"])
+                cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             m = samples((await c.get("/metrics")).text)
             stats = (await c.get("/v1/engine/stats")).json()
     finally:
         ctx.engine.shutdown()
-    assert texts[0] == texts[1]
     hits = (len(prompt) - 1) // 4 * 4 if enabled else 0
+    assert texts[0] == texts[1]
+    assert cached == [0, hits]  # OpenAI's usage.prompt_tokens_details.cached_tokens
     queries = 2 * len(prompt) if enabled else 0
     assert m[("beamline:prefix_cache_queries_total", ())] == queries
     assert m[("beamline:prefix_cache_hits_total", ())] == hits

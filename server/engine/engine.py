@@ -407,6 +407,7 @@ class Engine:
                 token_ids=token_ids,
                 finish_reason=finish_reason,
                 prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_tokens,
                 completion_tokens=completion_tokens,
                 logprobs=logprobs,
                 error=error,
