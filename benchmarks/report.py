@@ -106,6 +106,8 @@ def format_report(doc: dict) -> str:
     xname = "c" if doc["mode"] == "concurrency" else "rate"
     out = [f"workload: {doc['workload']['name']}, {doc['workload']['num_requests']} requests, "
            f"outputs {doc['workload']['output_tokens_range']} tokens, seed {doc['workload']['seed']}"]
+    if doc["workload"].get("shared_prefix_words"):
+        out[0] += f", shared {doc['workload']['shared_prefix_words']}-word prefix"
     rows = []
     for sysd in doc["systems"].values():
         for run in sysd["runs"]:

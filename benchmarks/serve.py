@@ -38,7 +38,13 @@ from benchmarks.report import (
     write_json,
 )
 from benchmarks.stats import summarize
-from benchmarks.workload import BenchRequest, Workload, prompts_workload, synthetic_workload
+from benchmarks.workload import (
+    BenchRequest,
+    Workload,
+    prompts_workload,
+    synthetic_workload,
+    with_shared_prefix,
+)
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 ALL_BASELINES = ("hf-static", "hf-sequential", "llama-cpp")
@@ -105,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     wl.add_argument("--num-requests", type=int)
     wl.add_argument("--prompt-words", type=_int_pair, default=(8, 48), help="MIN,MAX words (synthetic)")
     wl.add_argument("--output-tokens", type=_int_pair, help="MIN,MAX output tokens (default 32,128)")
+    wl.add_argument("--shared-prefix-words", type=int, default=0, metavar="N",
+                    help="prepend the same seeded N-word system prompt to every prompt (prefix caching)")
     wl.add_argument("--seed", type=int, default=0)
 
     base = p.add_argument_group("baselines (run after the server is stopped, on the same workload)")
@@ -134,6 +142,8 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
     args.beam_max_tokens = args.beam_max_tokens or preset["beam_max_tokens"]
     if args.request_rate and args.concurrency:
         parser.error("give --concurrency or --request-rate, not both")
+    if args.shared_prefix_words < 0:
+        parser.error("--shared-prefix-words must be >= 0")
     args.mode = "poisson" if args.request_rate else "concurrency"
     args.levels = args.request_rate or args.concurrency or _number_list(preset["concurrency"])
     if args.mode == "concurrency" and any(c != int(c) for c in args.levels):
@@ -160,14 +170,16 @@ def peers_comparable(args: argparse.Namespace) -> bool:
     """Whether this run uses the setting of the recorded peer figures (design notes §3)."""
     return (args.model is None and args.dataset == "synthetic" and args.num_requests == 48
             and tuple(args.prompt_words) == (8, 48) and tuple(args.output_tokens) == (32, 128)
-            and args.ignore_eos)
+            and args.shared_prefix_words == 0 and args.ignore_eos)
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
     if args.dataset == "prompts":
         kwargs = {"path": args.prompts_file} if args.prompts_file else {}
-        return prompts_workload(args.num_requests, args.output_tokens, args.seed, **kwargs)
-    return synthetic_workload(args.num_requests, args.prompt_words, args.output_tokens, args.seed)
+        workload = prompts_workload(args.num_requests, args.output_tokens, args.seed, **kwargs)
+    else:
+        workload = synthetic_workload(args.num_requests, args.prompt_words, args.output_tokens, args.seed)
+    return with_shared_prefix(workload, args.shared_prefix_words, args.seed)
 
 
 # ---- the system under test ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 BUNDLED_PROMPTS = Path(__file__).with_name("prompts.jsonl")
@@ -51,6 +51,7 @@ class Workload:
     seed: int
     output_tokens: tuple[int, int]
     prompt_words: tuple[int, int] | None = None
+    shared_prefix_words: int = 0  # words of the system prompt every request starts with
 
     def describe(self) -> dict:
         words = [len(r.prompt.split()) for r in self.requests]
@@ -60,6 +61,7 @@ class Workload:
             "num_requests": len(self.requests),
             "seed": self.seed,
             "prompt_words_range": list(self.prompt_words) if self.prompt_words else None,
+            "shared_prefix_words": self.shared_prefix_words,
             "output_tokens_range": list(self.output_tokens),
             "prompt_words_total": sum(words),
             "output_tokens_total": sum(outs),
@@ -90,6 +92,22 @@ def synthetic_workload(
     outs = _output_lengths(rng, num_requests, output_tokens)
     requests = tuple(BenchRequest(i, p, o) for i, (p, o) in enumerate(zip(prompts, outs)))
     return Workload("synthetic", requests, seed, output_tokens, prompt_words)
+
+
+def with_shared_prefix(workload: Workload, words: int, seed: int = 0) -> Workload:
+    """Every prompt preceded by the same seeded `words`-word "system prompt" (a blank line between),
+    as when all clients of a service share one: the case prefix caching is for. Prompt word counts
+    in `describe()` include it."""
+    if words < 0:
+        raise ValueError(f"shared prefix words must be >= 0, got {words}")
+    if words == 0:
+        return workload
+    rng = random.Random(f"shared-prefix-{seed}")  # independent of the prompts' own random stream
+    system = rng.choices(_WORDS, k=words)
+    system[0] = system[0].capitalize()
+    prefix = " ".join(system) + ".\n\n"
+    requests = tuple(replace(r, prompt=prefix + r.prompt) for r in workload.requests)
+    return replace(workload, requests=requests, shared_prefix_words=words)
 
 
 def load_prompts(path: Path = BUNDLED_PROMPTS) -> list[str]:

@@ -47,6 +47,7 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
         metrics=metrics,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
     async_engine = AsyncEngine(engine)
     async_engine.start()

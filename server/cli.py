@@ -34,6 +34,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, help="sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     p.add_argument("--max-model-len", type=int, help="context length cap")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of prompt prefixes seen before (default on)")
     p.add_argument("--max-waiting-requests", type=int, help="queued requests beyond running; then 503")
     p.add_argument("--drain-timeout", type=float, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--api-key", dest="api_keys", action="append",

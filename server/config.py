@@ -53,6 +53,7 @@ class ServerConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
     max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     max_n: int = Field(16, ge=1)
     max_best_of: int = Field(16, ge=1)
     max_num_beams: int = Field(16, ge=1)

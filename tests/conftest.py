@@ -40,13 +40,15 @@ def make_engine(
     block_size: int = 4,
     max_num_seqs: int = 32,
     max_num_batched_tokens: int = 64,
+    enable_prefix_caching: bool = True,
 ) -> Engine:
     runner = ModelRunner(
         model_dir, device=torch.device("cpu"), dtype=torch.float32,
         block_size=block_size, num_blocks=num_blocks,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return Engine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return Engine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                  enable_prefix_caching=enable_prefix_caching)
 
 
 def hf_reference(model_dir: Path) -> tuple[torch.nn.Module, object]:

@@ -52,7 +52,8 @@ async def test_completion_body_usage_and_greedy_text(
     assert choice["index"] == 0 and choice["finish_reason"] == "length"
     prompt_ids = tiny_ctx.tokenizer("Hello world").input_ids
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 7,
-                             "total_tokens": len(prompt_ids) + 7}
+                             "total_tokens": len(prompt_ids) + 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     # Same text as the engine produces for the same request outside HTTP.
     engine = make_engine(llama_dir)
     direct = engine_generate(engine, [prompt_ids], DecodingParams(max_tokens=7, temperature=0, ignore_eos=True))
@@ -64,6 +65,9 @@ async def test_streamed_completion_matches_non_streamed_and_ends_with_usage_and_
 ) -> None:
     req = {"prompt": "The quick brown fox", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
     plain = (await client.post("/v1/completions", json=req)).json()
+    # The same prompt again: its full blocks (of 4 tokens) are served from the prefix cache.
+    cached = {"cached_tokens": (plain["usage"]["prompt_tokens"] - 1) // 4 * 4}
+    assert cached["cached_tokens"] > 0 and plain["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     r = await client.post("/v1/completions", json={**req, "stream": True,
                                                    "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -74,7 +78,8 @@ async def test_streamed_completion_matches_non_streamed_and_ends_with_usage_and_
     text = "".join(ch["text"] for c in chunks for ch in c["choices"])
     assert text == plain["choices"][0]["text"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {**plain["usage"], "prompt_tokens_details": cached}
     assert all(c["usage"] is None for c in chunks[:-1])
 
 

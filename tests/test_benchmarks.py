@@ -26,7 +26,13 @@ from benchmarks.hf_baseline import load_hf_model, own_length, run_static_batches
 from benchmarks.launch import beamline_command
 from benchmarks.report import Run, SystemResult, ratio_rows
 from benchmarks.stats import RequestResult, distribution_ms, percentile, summarize
-from benchmarks.workload import BenchRequest, load_prompts, prompts_workload, synthetic_workload
+from benchmarks.workload import (
+    BenchRequest,
+    load_prompts,
+    prompts_workload,
+    synthetic_workload,
+    with_shared_prefix,
+)
 from tests.live_server import live_server
 
 TOKEN_DELAY_S = 0.002
@@ -180,6 +186,27 @@ def test_synthetic_workload_is_seeded_and_within_ranges() -> None:
     assert w.describe()["output_tokens_total"] == sum(r.max_tokens for r in w.requests)
     with pytest.raises(ValueError):
         synthetic_workload(4, (8, 4), (1, 2))
+
+
+def test_shared_prefix_workload_prepends_one_seeded_system_prompt() -> None:
+    base = synthetic_workload(6, (8, 12), (4, 8), seed=1)
+    w = with_shared_prefix(base, 200, seed=1)
+    prefix = w.requests[0].prompt[: -len(base.requests[0].prompt)]
+    assert len(prefix.split()) == 200 and prefix.endswith(".\n\n")
+    assert [r.prompt for r in w.requests] == [prefix + r.prompt for r in base.requests]
+    assert [r.max_tokens for r in w.requests] == [r.max_tokens for r in base.requests]
+    assert w == with_shared_prefix(base, 200, seed=1)  # seeded
+    assert with_shared_prefix(base, 200, seed=2).requests[0].prompt != w.requests[0].prompt
+    assert w.describe()["shared_prefix_words"] == 200
+    assert w.describe()["prompt_words_total"] == base.describe()["prompt_words_total"] + 6 * 200
+    assert with_shared_prefix(base, 0) == base
+    with pytest.raises(ValueError):
+        with_shared_prefix(base, -1)
+    args = serve.resolve_args(["--launch-beamline", "--short", "--shared-prefix-words", "30", "--seed", "1"])
+    assert serve.build_workload(args) == with_shared_prefix(
+        synthetic_workload(8, (8, 48), args.output_tokens, seed=1), 30, seed=1)
+    assert not serve.peers_comparable(serve.resolve_args(["--launch-beamline", "--shared-prefix-words", "30"]))
+    assert serve.peers_comparable(serve.resolve_args(["--launch-beamline"]))
 
 
 def test_bundled_prompt_set() -> None:

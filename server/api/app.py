@@ -164,6 +164,11 @@ def create_app(
             "tokens_generated": s.tokens_generated,
             "max_seqs_in_step": s.max_seqs_in_step,
             "preemptions": s.preemptions,
+            "prefix_caching": e.prefix_cache is not None,
+            "kv_blocks_cached": e.pool.num_cached,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_hit_rate": s.prefix_cache_hits / max(1, s.prefix_cache_queries),
         })
 
     async def run(

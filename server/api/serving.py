@@ -26,6 +26,7 @@ from server.api.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     SamplingFields,
     Usage,
     new_id,
@@ -266,9 +267,11 @@ class ChoiceResult:
 async def collect(ctx: ServingContext, request_id: str, jobs: list[Job]) -> tuple[dict[int, ChoiceResult], Usage]:
     """Run to completion: every choice's text, finish reason and logprobs, plus usage."""
     choices: dict[int, ChoiceResult] = {}
+    cached: dict[int, int] = {}  # per job (engine request): its prompt tokens found in the cache
     async with aclosing(run_jobs(ctx, request_id, jobs)) as outputs:
         async for job, out in outputs:
             _raise_if_error(out)
+            cached[id(job)] = out.cached_tokens
             choice = choices.setdefault(job.choice_offset + out.index, ChoiceResult(text=job.echo_text))
             choice.text += out.text
             if out.logprobs is not None:
@@ -276,15 +279,17 @@ async def collect(ctx: ServingContext, request_id: str, jobs: list[Job]) -> tupl
             if out.finished:
                 choice.finish_reason = out.finish_reason
                 choice.completion_tokens = out.completion_tokens
-    return choices, _usage(jobs, sum(c.completion_tokens for c in choices.values()))
+    completion_tokens = sum(c.completion_tokens for c in choices.values())
+    return choices, _usage(jobs, completion_tokens, sum(cached.values()))
 
 
-def _usage(jobs: list[Job], completion_tokens: int) -> Usage:
+def _usage(jobs: list[Job], completion_tokens: int, cached_tokens: int) -> Usage:
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 
@@ -344,8 +349,10 @@ async def stream_events(
     completion_tokens = 0
     failed = False
     echoed: set[int] = set()
+    cached: dict[int, int] = {}
     async with aclosing(run_jobs(ctx, request_id, jobs)) as outputs:
         async for job, out in outputs:
+            cached[id(job)] = out.cached_tokens
             if out.error is not None:
                 yield sse(APIError(500, out.error, code="engine_error").body())
                 failed = True
@@ -364,7 +371,7 @@ async def stream_events(
                 yield sse(chunk)
     if include_usage and not failed:
         final = make_chunk(0, "", None)
-        final["usage"] = _usage(jobs, completion_tokens).model_dump()
+        final["usage"] = _usage(jobs, completion_tokens, sum(cached.values())).model_dump()
         yield sse(final)
     yield sse("[DONE]")
 

@@ -7,6 +7,8 @@ return at once). `submit` and `abort` are thread-safe; the loop runs in its own 
 A request has one row (greedy, sampling), `n` / `best_of` rows (forked from the prefilled prompt,
 sharing its blocks), or `num_beams` rows whose KV blocks are forked from their parent row at every
 step (shared blocks, copy-on-write of the last partial one): no step copies a whole history.
+With prefix caching on, every block a step fills is tagged with its prefix hash, and a new request
+starts from the cached blocks of its prompt's longest known prefix (prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from decoding.stopping import find_stop, holdback
 from server.engine.block_pool import BlockPool
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.model_runner import ModelRunner, WorkItem
+from server.engine.prefix_cache import PrefixCache
 from server.engine.request import EngineRequest, RequestOutput, SequenceText, TokenLogprob
 from server.engine.scheduler import Scheduler, StepPlan
 from server.engine.sequence import Sequence
@@ -51,6 +54,8 @@ class EngineStats:
     max_seqs_in_step: int = 0
     preemptions: int = 0
     peak_blocks_used: int = 0
+    prefix_cache_queries: int = 0  # tokens of admitted rows looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
     step_seqs_histogram: dict[int, int] = field(default_factory=dict)
 
 
@@ -64,12 +69,14 @@ class Engine:
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
         metrics: Metrics | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens)
+        self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache)
         capacity = runner.num_blocks * runner.block_size
         self.max_model_len = min(max_model_len or runner.max_position_embeddings, capacity)
         self.eos_token_ids = _eos_ids(runner.model, tokenizer)
@@ -149,13 +156,18 @@ class Engine:
         self._record_step(plan.items)  # before any output of this step reaches a client
         now = time.monotonic()
         for item in plan.items:
-            if item.seq.request.first_scheduled_time is None:
-                item.seq.request.first_scheduled_time = now
+            req = item.seq.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                req.cached_tokens = min(item.seq.num_computed, len(req.prompt_ids))
         try:
             logits = self.runner.execute(plan.items, plan.copies)
             sampling = [i for i in plan.items if i.samples]
+            cache = self.prefix_cache
             for item in plan.items:
                 item.seq.num_computed += item.num_new
+                if cache is not None:
+                    cache.register(item.seq, item.seq.num_computed - item.num_new)
             if sampling:
                 self._decode(sampling, logits)
         except Exception as exc:  # a failing step fails its own requests, never the loop
@@ -222,6 +234,7 @@ class Engine:
                 child = self._new_row(req, list(seq.token_ids), index=k)
                 child.num_computed = seq.num_computed
                 child.block_table = self.pool.share(seq.block_table)
+                child.block_hashes = list(seq.block_hashes)
                 req.rows.append(child)
             out_rows.extend(req.rows)
             index.extend([r] * req.width)
@@ -342,6 +355,7 @@ class Engine:
             child = Sequence(req, [*parent.token_ids, token], parent.prompt_len, index=len(children))
             child.num_computed = parent.num_computed
             child.block_table = self.pool.share(parent.block_table)
+            child.block_hashes = list(parent.block_hashes)
             children.append(child)
         for parent in req.rows:
             self.scheduler.release_row(parent)
@@ -393,6 +407,7 @@ class Engine:
                 token_ids=token_ids,
                 finish_reason=finish_reason,
                 prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_tokens,
                 completion_tokens=completion_tokens,
                 logprobs=logprobs,
                 error=error,
@@ -429,6 +444,11 @@ class Engine:
     # ---- statistics and metrics ----------------------------------------------------------------------
     def _record_schedule(self, plan: StepPlan) -> None:
         self.stats.preemptions += len(plan.preempted)
+        if plan.cache_queries:
+            self.stats.prefix_cache_queries += plan.cache_queries
+            self.stats.prefix_cache_hits += plan.cache_hits
+            if self.metrics is not None:
+                self.metrics.record_prefix_cache(queries=plan.cache_queries, hits=plan.cache_hits)
         used = self.pool.num_blocks - self.pool.num_free
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
         if self.metrics is not None and plan.preempted:
@@ -472,7 +492,8 @@ class Engine:
             extra={
                 "request_id": req.trace_id or req.request_id, "engine_request_id": req.request_id,
                 "finish_reason": reason, "strategy": strategy, "prompt_tokens": prompt_tokens,
-                "generation_tokens": generated, "queue_s": round(queue_s, 4),
+                "generation_tokens": generated, "cached_tokens": req.cached_tokens,
+                "queue_s": round(queue_s, 4),
                 "ttft_s": round(req.first_token_time - req.arrival_time, 4) if req.first_token_time else None,
                 "e2e_s": round(e2e_s, 4),
             },

@@ -33,6 +33,7 @@ class RequestOutput:
     finish_reason: str | None  # stop | length | abort | error
     prompt_tokens: int
     completion_tokens: int  # total so far for this choice
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
     error: str | None = None
     request_done: bool = False  # the last output of the request: nothing follows
@@ -70,6 +71,7 @@ class EngineRequest:
     first_token_time: float | None = None
     last_token_time: float | None = None
     generated_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache when it was first scheduled
     finished: bool = False
 
     @property

@@ -8,6 +8,10 @@ rows cannot all finish their pending tokens in this step, each row stops one tok
 all sample together later. Waiting requests join while the budget, the row cap and the KV pool
 allow. When the pool cannot hold the running set, the youngest running request is preempted: its
 blocks are freed and it is recomputed later.
+
+With prefix caching, a waiting request's rows first take over the cached blocks of their leading
+tokens (prefix_cache.py), so only the rest is computed and counted against the pool; a request that
+then cannot join gives them back.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from server.engine.block_pool import BlockPool, OutOfBlocks
 from server.engine.model_runner import WorkItem
+from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -29,6 +34,8 @@ class StepPlan:
     items: list[WorkItem] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[EngineRequest] = field(default_factory=list)
+    cache_queries: int = 0  # tokens of admitted rows looked up in the prefix cache
+    cache_hits: int = 0  # of those, tokens found there (not computed again)
 
     @property
     def num_tokens(self) -> int:
@@ -50,8 +57,15 @@ def plan_rows(rows: list[Sequence], budget: int) -> list[WorkItem]:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.pool = pool
+        self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[EngineRequest] = deque()
@@ -78,6 +92,22 @@ class Scheduler:
 
     def _blocks_needed(self, items: list[WorkItem]) -> int:
         return sum(self.pool.blocks_needed(i.seq.block_table, i.seq.num_computed + i.num_new) for i in items)
+
+    def _attach_cached(self, request: EngineRequest) -> tuple[int, int]:
+        """Point the rows that have nothing computed at their cached prefix: (queried, hit) tokens."""
+        queried = hit = 0
+        if self.prefix_cache is not None:
+            for seq in request.rows:
+                if seq.num_computed == 0 and not seq.block_table:
+                    queried += len(seq.token_ids)
+                    hit += self.prefix_cache.attach(seq)
+        return queried, hit
+
+    def _detach_cached(self, request: EngineRequest) -> None:
+        """A waiting request that does not join holds no blocks (it keeps nothing computed)."""
+        if self.prefix_cache is not None:
+            for seq in request.rows:
+                self.prefix_cache.detach(seq)
 
     def _preempt(self, request: EngineRequest, plan: StepPlan) -> None:
         for seq in request.rows:
@@ -106,14 +136,19 @@ class Scheduler:
             request = self.waiting[0]
             if self.running and self.num_running_rows + request.width > self.max_num_seqs:
                 break
+            queried, hit = self._attach_cached(request)  # revived blocks no longer count as free
             items = plan_rows(request.rows, budget)
             if not items or self._blocks_needed(items) > self.pool.num_free:
+                self._detach_cached(request)
                 break
             try:
                 for item in items:
                     self._reserve(item.seq, item.num_new, plan)
             except OutOfBlocks:  # only possible with shared blocks to copy; retry next step
+                self._detach_cached(request)
                 break
+            plan.cache_queries += queried
+            plan.cache_hits += hit
             self.waiting.popleft()
             self.running.append(request)
             plan.items.extend(items)

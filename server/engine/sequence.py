@@ -21,6 +21,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed: int = 0  # tokens whose keys/values are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of full blocks
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0  # raw-model log-likelihood of the output (best_of ranks by it)
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for

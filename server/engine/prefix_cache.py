@@ -1,0 +1,69 @@
+"""Prefix caching: a request reuses the KV blocks of a prompt prefix that another one computed.
+
+A full block is identified by a chained hash, sha256(parent block's hash + the block's token ids),
+so two blocks match only when everything before them matches too. A strong hash makes a collision
+(which would silently serve wrong keys/values) practically impossible, without keeping the tokens.
+The hashes of a row's blocks are kept on its `Sequence` (forks copy them), each computed once.
+
+The pool keeps the hash -> block map and the evictable blocks (block_pool.py); this module decides
+which blocks are tagged (`register`, after the step that filled them) and which a new row takes
+over (`attach`, when the scheduler admits a row that has nothing computed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence as Tokens
+
+from server.engine.block_pool import BlockPool
+from server.engine.sequence import Sequence
+
+ROOT_HASH = b""  # parent of a sequence's first block
+
+
+def hash_block(parent: bytes, tokens: Tokens[int]) -> bytes:
+    """Identity of a full block: its token ids and, through `parent`, every token before them."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class PrefixCache:
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+
+    def block_hash(self, seq: Sequence, index: int) -> bytes:
+        """Hash of full block `index` of `seq`, computing (and keeping) those not yet known."""
+        hashes = seq.block_hashes
+        bs = self.pool.block_size
+        while len(hashes) <= index:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes[index]
+
+    def attach(self, seq: Sequence) -> int:
+        """Give a row with nothing computed the longest run of cached blocks matching its leading
+        tokens; returns the tokens it now has computed. The last token is always left to compute:
+        the row needs its logits to sample."""
+        assert seq.num_computed == 0 and not seq.block_table
+        table = seq.block_table
+        for index in range((len(seq.token_ids) - 1) // self.pool.block_size):
+            block = self.pool.cached_block(self.block_hash(seq, index))
+            if block is None:
+                break
+            self.pool.acquire(block)
+            table.append(block)
+        seq.num_computed = len(table) * self.pool.block_size
+        return seq.num_computed
+
+    def detach(self, seq: Sequence) -> None:
+        """Undo `attach` (the row was not admitted after all): it owns nothing, computed nothing."""
+        self.pool.release(seq.block_table)
+        seq.num_computed = 0
+
+    def register(self, seq: Sequence, computed_before: int) -> None:
+        """Tag the blocks a step has just filled (computed tokens went from `computed_before` to
+        `seq.num_computed`), so later requests can find them."""
+        bs = self.pool.block_size
+        for index in range(computed_before // bs, seq.num_computed // bs):
+            self.pool.tag(seq.block_table[index], self.block_hash(seq, index))
