@@ -1,8 +1,9 @@
 """Opt-in weight formats for the CPU (see README, Performance, for speed and accuracy).
 
 `int8` quantizes the LM head only: an untied copy of it with int8 weights and per-output-channel
-scales, run with PyTorch's dynamic quantized kernels (activations quantized on the fly, per batch).
-With Gemma's 262k-token vocabulary the head is most of a CPU step.
+scales, run with PyTorch's dynamic quantized kernels (activations quantized on the fly with one
+scale per call, so a row's logits depend slightly on the other rows of the step). With Gemma's
+262k-token vocabulary the head is most of a CPU step.
 
 `int8-weights` adds *weight-only* int8 for the decoder's linear layers: int8 weights with
 per-output-channel scales, bf16 activations, no activation quantization. Quantizing the decoder
