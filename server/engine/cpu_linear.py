@@ -11,6 +11,8 @@ no such gap. Measured by `benchmarks/` (README, Performance).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -38,17 +40,22 @@ class TransposedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def transpose_linears(module: nn.Module) -> int:
-    """Replace every `nn.Linear` under `module` by a TransposedLinear, in place; returns the count.
-
-    Each replaced layer's original weight is released, so peak memory stays one copy per layer.
-    """
+def replace_linears(
+    module: nn.Module, build: Callable[[nn.Linear], nn.Module], where: Callable[[nn.Linear], bool]
+) -> int:
+    """Replace every plain `nn.Linear` under `module` for which `where` holds by `build(layer)`, in
+    place; returns the count. Each replaced layer's weight is released as it goes."""
     targets = [
         (parent, name, child)
         for parent in module.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if type(child) is nn.Linear and where(child)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, TransposedLinear.from_linear(child))
+        setattr(parent, name, build(child))
     return len(targets)
+
+
+def transpose_linears(module: nn.Module) -> int:
+    """Replace every `nn.Linear` under `module` by a TransposedLinear; returns the count."""
+    return replace_linears(module, TransposedLinear.from_linear, lambda _: True)

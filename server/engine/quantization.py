@@ -22,6 +22,8 @@ import warnings
 
 import torch
 
+from server.engine.cpu_linear import replace_linears
+
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "int8", "int8-weights")
@@ -68,16 +70,13 @@ def quantize_decoder_weights(decoder: torch.nn.Module, device: torch.device) -> 
     """Replace the linear layers under `decoder` by Int8WeightOnlyLinear; returns the count."""
     if device.type != "cpu":
         raise ValueError("int8-weights runs on the CPU only; use --dtype bfloat16 on CUDA")
-    targets = [
-        (parent, name, child)
-        for parent in decoder.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, torch.nn.Linear) and kernel_supports(child.in_features)
-    ]
-    for parent, name, child in targets:
-        setattr(parent, name, Int8WeightOnlyLinear(child.weight, child.bias))
-    log.info("decoder quantized: %d linear layers with int8 weights (weight-only)", len(targets))
-    return len(targets)
+    count = replace_linears(
+        decoder,
+        lambda layer: Int8WeightOnlyLinear(layer.weight, layer.bias),
+        lambda layer: kernel_supports(layer.in_features),
+    )
+    log.info("decoder quantized: %d linear layers with int8 weights (weight-only)", count)
+    return count
 
 
 def quantized_lm_head(head: torch.nn.Module, device: torch.device, method: str) -> torch.nn.Module:
