@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 from transformers import AutoTokenizer
@@ -36,7 +37,12 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         num_blocks=config.num_kv_blocks,
         quantization=config.quantization,
         linear_layout=config.linear_layout,
+        compile_decode=config.torch_compile,
     )
+    if config.torch_compile:
+        started = time.monotonic()
+        runner.warm_up()
+        log.info("decode step compiled in %.0f s", time.monotonic() - started)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     name = config.served_model_name or served_model_name(config.model)
     metrics = Metrics(name)

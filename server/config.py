@@ -47,6 +47,9 @@ class ServerConfig(BaseModel):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads for the CPU step; empty = one per core"
     )
+    torch_compile: bool = Field(
+        False, description="torch.compile the decode step; compiled at start-up (minutes on a small CPU)"
+    )
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_memory: int = Field(1024**3, gt=0, description="bytes for the KV pool, e.g. 1GiB")
     num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory")

@@ -6,6 +6,10 @@ Each layer writes the new keys/values into its slots of the block pool, then eve
 over its own history read through its block table. Decode rows (one query each) run as one padded
 batch; prefill chunks run one sequence at a time. Masks and gather indices are built once per step
 and shared by all layers. Sliding-window layers (Gemma 3, Mistral) get a windowed mask.
+
+A step in which every sequence adds exactly one token (the steady state of serving) gets a
+`DecodeStep` instead of a `StepContext`: tensors only, no Python lists and no per-step cache, so that
+`torch.compile` can trace the whole decoder through it (see model_runner.py).
 """
 
 from __future__ import annotations
@@ -65,6 +69,36 @@ class StepContext:
                 mask &= k_pos > q_pos - window
             self._cache[key] = mask[None, None]
         return self._cache[key]
+
+
+@dataclass
+class DecodeStep:
+    """Context of a step in which packed token b is the one new token of sequence b."""
+
+    slot_mapping: torch.Tensor  # [B] flat slot of each new token
+    gather: torch.Tensor  # [B, L] flat slots of each row's history (and the new token), padded
+    lengths: torch.Tensor  # [B, 1] tokens each row attends over
+    positions: torch.Tensor  # [1, L] 0..L-1, to mask padding and out-of-window keys
+
+    @classmethod
+    def build(cls, tables: list[list[int]], lengths: list[int], block_size: int, device: torch.device) -> DecodeStep:
+        """From each row's block table and context length (history + the new token)."""
+        width = max(lengths)
+        blocks_per_row = -(-width // block_size)
+        rows = [t[:blocks_per_row] for t in tables]
+        table = torch.tensor([r + [0] * (blocks_per_row - len(r)) for r in rows], dtype=torch.long)
+        positions = torch.arange(width)
+        gather = table[:, positions // block_size] * block_size + positions % block_size
+        lens = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
+        slot_mapping = gather.gather(1, lens - 1).squeeze(1)
+        return cls(slot_mapping.to(device), gather.to(device), lens.to(device), positions.unsqueeze(0).to(device))
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, L]: the keys each row sees (a few element-wise ops, recomputed per layer)."""
+        visible = self.positions < self.lengths
+        if window is not None:
+            visible &= self.positions > self.lengths - 1 - window
+        return visible[:, None, None, :]
 
 
 class PagedKVCache:
@@ -136,7 +170,7 @@ def make_paged_attention(cache: PagedKVCache):
         scaling: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
-        beamline_ctx: StepContext | None = None,
+        beamline_ctx: StepContext | DecodeStep | None = None,
         **_: object,
     ) -> tuple[torch.Tensor, None]:
         if beamline_ctx is None:
@@ -150,6 +184,12 @@ def make_paged_attention(cache: PagedKVCache):
         v_pool.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))
 
         q = query[0].transpose(0, 1)  # [T, H, D]
+        if isinstance(ctx, DecodeStep):
+            shape = (*ctx.gather.shape, *k_pool.shape[1:])
+            kd = k_pool.index_select(0, ctx.gather.view(-1)).view(shape).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+            vd = v_pool.index_select(0, ctx.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
+            out = _attend(q.unsqueeze(2), kd, vd, ctx.mask(sliding_window), scaling, softcap)
+            return out.squeeze(2).unsqueeze(0), None
         out = torch.empty_like(q)
         if ctx.decode:
             index, gather, mask = ctx.decode_inputs(sliding_window)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from server.engine.attention import (
     ATTENTION_NAME,
+    DecodeStep,
     PagedKVCache,
     SeqSlice,
     StepContext,
@@ -57,6 +60,13 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
+def compiler_available(device: torch.device) -> bool:
+    """Inductor compiles its CPU kernels with a C++ compiler; Triton (CUDA) builds launchers with a C one."""
+    names = ("g++", "c++", "clang++") if device.type == "cpu" else ("gcc", "cc", "clang")
+    chosen = os.environ.get("CXX" if device.type == "cpu" else "CC")
+    return any(shutil.which(name) for name in ((chosen,) if chosen else ()) + names)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -69,7 +79,13 @@ class ModelRunner:
         num_blocks: int | None = None,
         quantization: str = "none",
         linear_layout: str = "auto",
+        compile_decode: bool = False,
     ) -> None:
+        if compile_decode and not compiler_available(device):
+            raise ValueError(
+                "torch_compile needs a C/C++ compiler on PATH (inductor builds its kernels with it): "
+                "install g++ (CPU) or gcc (CUDA, for Triton), or run without --torch-compile"
+            )
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -119,6 +135,12 @@ class ModelRunner:
             "model on %s (%s): %d KV blocks of %d tokens (%.1f MiB)",
             device, dtype, self.num_blocks, block_size, self.num_blocks * per_block / 2**20,
         )
+        # Decode-only steps (every sequence adds one token) may run through torch.compile: it fuses
+        # the element-wise glue between the matmuls and drops most of the per-op dispatch cost, which
+        # is about half of a one-row step on the CPU. Shapes are dynamic (rows, context width), so
+        # one graph serves every batch size >= 2 and one more serves a single row.
+        self.compile_decode = compile_decode
+        self._run_decode = torch.compile(self._run_decoder, dynamic=True) if compile_decode else self._run_decoder
 
     @property
     def max_position_embeddings(self) -> int:
@@ -130,10 +152,58 @@ class ModelRunner:
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
+    def _run_decoder(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext | DecodeStep
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of the packed tokens."""
+        return self.decoder(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=None,
+            use_cache=False,
+            beamline_ctx=ctx,
+        ).last_hidden_state[0]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden.to(self.head_dtype)).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the decode step before serving: one single-row step and one two-row step, on
+        the slots of block 0 (nothing is cached yet, and every block is written before it is read)."""
+        if not self.compile_decode:
+            return
+        for lengths in ([2], [2, 3]):
+            ctx = DecodeStep.build([[0]] * len(lengths), lengths, self.block_size, self.device)
+            ids = torch.zeros((1, len(lengths)), dtype=torch.long, device=self.device)
+            positions = torch.tensor([[n - 1 for n in lengths]], device=self.device)
+            self._logits(self._decode(ids, positions, ctx))
+
+    def _execute_decode(self, items: list[WorkItem]) -> torch.Tensor:
+        """A step of one new token per sequence: every row samples, no packing indices needed."""
+        seqs = [item.seq for item in items]
+        ctx = DecodeStep.build(
+            [s.block_table for s in seqs], [s.num_computed + 1 for s in seqs], self.block_size, self.device
+        )
+        input_ids = torch.tensor([[s.token_ids[s.num_computed] for s in seqs]], device=self.device)
+        position_ids = torch.tensor([[s.num_computed for s in seqs]], device=self.device)
+        return self._logits(self._decode(input_ids, position_ids, ctx))
+
+    def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep) -> torch.Tensor:
+        if self.compile_decode:  # the context width (>= 2) varies every step: never specialize on it
+            torch._dynamo.mark_dynamic(ctx.gather, 1)
+            torch._dynamo.mark_dynamic(ctx.positions, 1)
+        return self._run_decode(input_ids, position_ids, ctx)
+
     @torch.inference_mode()
     def execute(self, items: list[WorkItem], copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run `items` as one forward pass; return logits [R, V] for the items that sample, in order."""
         self.kv_cache.copy_blocks(copies)
+        if items and all(item.num_new == 1 and item.samples for item in items):
+            return self._execute_decode(items)
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
@@ -160,17 +230,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor([tokens], device=self.device)
         position_ids = torch.tensor([positions], device=self.device)
-        hidden = self.decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=None,
-            use_cache=False,
-            beamline_ctx=ctx,
-        ).last_hidden_state[0]
+        hidden = self._run_decoder(input_ids, position_ids, ctx)
         if not sample_rows:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-        rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.lm_head(hidden[rows].to(self.head_dtype)).float()
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return self._logits(hidden[torch.tensor(sample_rows, device=self.device)])

@@ -1,0 +1,89 @@
+"""The decode-step context and the torch.compile'd decode step (`--torch-compile`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoding import DecodingParams
+from server.config import load_config
+from server.engine.attention import DecodeStep
+from server.engine.engine import Engine
+from server.engine.model_runner import ModelRunner
+from tests.conftest import make_engine
+from tests.engine_driver import generate
+from tests.test_engine_correctness import PROMPTS, hf_greedy
+
+
+def test_decode_step_reads_each_rows_history_through_its_block_table() -> None:
+    step = DecodeStep.build([[7, 2], [5], [3, 9, 4]], [6, 2, 9], block_size=4, device=torch.device("cpu"))
+    # width 9 -> 3 blocks per row; missing blocks pad with block 0, which the mask hides
+    assert step.gather.tolist() == [
+        [28, 29, 30, 31, 8, 9, 10, 11, 0],
+        [20, 21, 22, 23, 0, 1, 2, 3, 0],
+        [12, 13, 14, 15, 36, 37, 38, 39, 16],
+    ]
+    assert step.slot_mapping.tolist() == [9, 21, 16]  # the slot of each row's newest token
+    assert step.mask(None)[:, 0, 0].int().tolist() == [
+        [1, 1, 1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 1, 1, 1],
+    ]
+    assert step.mask(3)[:, 0, 0].int().tolist() == [  # the newest 3 tokens of each row
+        [0, 0, 0, 1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 1, 1, 1],
+    ]
+
+
+def compiled_engine(model_dir: Path) -> Engine:
+    runner = ModelRunner(model_dir, device=torch.device("cpu"), dtype=torch.float32, block_size=4,
+                         num_blocks=256, compile_decode=True)
+    runner.warm_up()
+    return Engine(runner, make_engine(model_dir).tokenizer, max_num_batched_tokens=16)
+
+
+def test_compiled_decode_gives_hf_greedy_tokens_and_never_recompiles_after_warm_up(
+    tiny_model_dirs: dict[str, Path]
+) -> None:
+    model_dir = tiny_model_dirs["gemma3"]  # sliding-window layers (window 6) and full layers
+    expected = [hf_greedy(model_dir, p, 20) for p in PROMPTS]
+    engine = compiled_engine(model_dir)
+    calls = 0
+    run_decode = engine.runner._run_decode
+
+    def counted(*args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return run_decode(*args)
+
+    engine.runner._run_decode = counted
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    params = DecodingParams(max_tokens=20, temperature=0)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # 1 row, then 2..8 rows, any width
+        alone = generate(engine, [prompts[0]], params)[0].token_ids
+        together = [r.token_ids for r in generate(engine, prompts, params)]
+    assert alone == expected[0]
+    assert together == expected
+    assert calls >= 30  # the decode steps went through the compiled function
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_torch_compile_is_off_by_default_and_set_by_flag_or_yaml(tmp_path: Path) -> None:
+    assert load_config(None, {}).torch_compile is False
+    assert load_config(None, {"torch_compile": True}).torch_compile is True
+    path = tmp_path / "c.yaml"
+    path.write_text("torch_compile: true\n")
+    assert load_config(path, {}).torch_compile is True
+
+
+def test_without_a_compiler_torch_compile_stops_start_up_with_a_clear_message(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ValueError, match="needs a C/C\\+\\+ compiler on PATH"):
+        ModelRunner(llama_dir, device=torch.device("cpu"), dtype=torch.float32, block_size=4,
+                    num_blocks=16, compile_decode=True)
