@@ -3,6 +3,8 @@
 #   GPU hosts (default): docker build -t beamline .
 #   CPU-only hosts:      docker build --build-arg VARIANT=cpu -t beamline:cpu .
 # Run: docker run -p 8000:8000 -v beamline-cache:/var/cache/beamline [--gpus all] beamline [--model M]
+# The images carry no C/C++ compiler, so --torch-compile stops start-up with a message there;
+# add g++ (CPU) or gcc (GPU, for Triton) in a derived image to use it.
 # Each *-base stage provides Python and torch in the virtualenv /opt/venv; BuildKit builds only
 # the one that VARIANT selects.
 
