@@ -71,9 +71,22 @@ def test_compiled_decode_gives_hf_greedy_tokens_and_never_recompiles_after_warm_
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
-def test_torch_compile_is_off_by_default_and_set_by_flag_or_yaml(tmp_path: Path) -> None:
-    assert load_config(None, {}).torch_compile is False
-    assert load_config(None, {"torch_compile": True}).torch_compile is True
+@pytest.mark.parametrize(("argv", "expected"), [([], False), (["--torch-compile"], True),
+                                                 (["--no-torch-compile"], False)])
+def test_torch_compile_is_off_by_default_and_the_flag_reaches_the_server_config(
+    argv: list[str], expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import server.cli
+    import server.http_server
+
+    started: list[object] = []
+    monkeypatch.setattr(server.cli, "setup_logging", lambda *args: None)
+    monkeypatch.setattr(server.http_server, "run_server", started.append)
+    assert server.cli.main(["serve", *argv]) == 0
+    assert [config.torch_compile for config in started] == [expected]
+
+
+def test_torch_compile_can_be_set_in_yaml(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("torch_compile: true\n")
     assert load_config(path, {}).torch_compile is True
