@@ -4,12 +4,12 @@ The model is called with the step's tokens packed as one row ([1, T]) and a `Ste
 the keyword `beamline_ctx`; transformers hands extra keywords to the attention function unchanged.
 Each layer writes the new keys/values into its slots of the block pool, then every sequence attends
 over its own history read through its block table. Decode rows (one query each) run as one padded
-batch; prefill chunks run one sequence at a time. Masks and gather indices are built once per step
-and shared by all layers. Sliding-window layers (Gemma 3, Mistral) get a windowed mask.
+batch (a `DecodeStep`); prefill chunks run one sequence at a time. Gather indices are built once
+per step and shared by all layers; sliding-window layers (Gemma 3, Mistral) get a windowed mask.
 
-A step in which every sequence adds exactly one token (the steady state of serving) gets a
-`DecodeStep` instead of a `StepContext`: tensors only, no Python lists and no per-step cache, so that
-`torch.compile` can trace the whole decoder through it (see model_runner.py).
+A step in which every sequence adds exactly one token (the steady state of serving) is passed as a
+bare `DecodeStep` instead of a `StepContext`: tensors only, no Python lists and no per-step cache, so
+that `torch.compile` can trace the whole decoder through it (see model_runner.py).
 """
 
 from __future__ import annotations
@@ -33,47 +33,9 @@ class SeqSlice:
 
 
 @dataclass
-class StepContext:
-    slot_mapping: torch.Tensor  # [T] flat slot for every packed token
-    decode: list[SeqSlice]  # sequences with one new token
-    prefill: list[SeqSlice]  # sequences with a chunk of several tokens
-    device: torch.device
-    _cache: dict = field(default_factory=dict)
-
-    def decode_inputs(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(packed indices [B], gather slots [B, L], mask [B, 1, 1, L]) for the decode batch."""
-        key = ("decode", window)
-        if key not in self._cache:
-            lens = torch.tensor([s.context_len for s in self.decode], device=self.device)
-            width = int(lens.max())
-            gather = torch.zeros(len(self.decode), width, dtype=torch.long, device=self.device)
-            for row, s in enumerate(self.decode):
-                gather[row, : s.context_len] = s.gather
-            cols = torch.arange(width, device=self.device).unsqueeze(0)
-            mask = cols < lens.unsqueeze(1)
-            if window is not None:
-                mask &= cols > (lens - 1 - window).unsqueeze(1)
-            index = torch.tensor([s.start for s in self.decode], device=self.device)
-            self._cache[key] = (index, gather, mask[:, None, None, :])
-        return self._cache[key]
-
-    def prefill_mask(self, s: SeqSlice, window: int | None) -> torch.Tensor:
-        """[1, 1, num_new, context_len] causal (and windowed) mask for one prefill chunk."""
-        key = ("prefill", s.start, window)
-        if key not in self._cache:
-            first = s.context_len - s.num_new
-            q_pos = torch.arange(first, s.context_len, device=self.device).unsqueeze(1)
-            k_pos = torch.arange(s.context_len, device=self.device).unsqueeze(0)
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            self._cache[key] = mask[None, None]
-        return self._cache[key]
-
-
-@dataclass
 class DecodeStep:
-    """Context of a step in which packed token b is the one new token of sequence b."""
+    """Rows of one new token each, as one padded batch. Passed alone as a step's context, row b is
+    packed token b; inside a `StepContext`, `decode_index` maps rows to packed tokens."""
 
     slot_mapping: torch.Tensor  # [B] flat slot of each new token
     gather: torch.Tensor  # [B, L] flat slots of each row's history (and the new token), padded
@@ -99,6 +61,31 @@ class DecodeStep:
         if window is not None:
             visible &= self.positions > self.lengths - 1 - window
         return visible[:, None, None, :]
+
+
+@dataclass
+class StepContext:
+    """Context of a step with prefill chunks; its one-token rows, if any, form a `DecodeStep`."""
+
+    slot_mapping: torch.Tensor  # [T] flat slot for every packed token
+    decode: DecodeStep | None  # the sequences with one new token, as one padded batch
+    decode_index: torch.Tensor | None  # [B] packed index of each of those tokens
+    prefill: list[SeqSlice]  # sequences with a chunk of several tokens
+    device: torch.device
+    _cache: dict = field(default_factory=dict)
+
+    def prefill_mask(self, s: SeqSlice, window: int | None) -> torch.Tensor:
+        """[1, 1, num_new, context_len] causal (and windowed) mask for one prefill chunk."""
+        key = ("prefill", s.start, window)
+        if key not in self._cache:
+            first = s.context_len - s.num_new
+            q_pos = torch.arange(first, s.context_len, device=self.device).unsqueeze(1)
+            k_pos = torch.arange(s.context_len, device=self.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._cache[key] = mask[None, None]
+        return self._cache[key]
 
 
 class PagedKVCache:
@@ -158,6 +145,22 @@ def _attend(
     return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def _attend_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    step: DecodeStep,
+    window: int | None,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [B, H, D], one query per row, over each row's history in the pools -> [B, H, D]."""
+    shape = (*step.gather.shape, *k_pool.shape[1:])
+    k = k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    v = v_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
+    return _attend(q.unsqueeze(2), k, v, step.mask(window), scaling, softcap).squeeze(2)
+
+
 def make_paged_attention(cache: PagedKVCache):
     """Build the attention function bound to one KV cache."""
 
@@ -185,19 +188,11 @@ def make_paged_attention(cache: PagedKVCache):
 
         q = query[0].transpose(0, 1)  # [T, H, D]
         if isinstance(ctx, DecodeStep):
-            shape = (*ctx.gather.shape, *k_pool.shape[1:])
-            kd = k_pool.index_select(0, ctx.gather.view(-1)).view(shape).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-            vd = v_pool.index_select(0, ctx.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
-            out = _attend(q.unsqueeze(2), kd, vd, ctx.mask(sliding_window), scaling, softcap)
-            return out.squeeze(2).unsqueeze(0), None
+            return _attend_decode(q, k_pool, v_pool, ctx, sliding_window, scaling, softcap).unsqueeze(0), None
         out = torch.empty_like(q)
-        if ctx.decode:
-            index, gather, mask = ctx.decode_inputs(sliding_window)
-            qd = q.index_select(0, index).unsqueeze(2)  # [B, H, 1, D]
-            shape = (*gather.shape, *k_pool.shape[1:])
-            kd = k_pool.index_select(0, gather.view(-1)).view(shape).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-            vd = v_pool.index_select(0, gather.view(-1)).view(shape).permute(0, 2, 1, 3)
-            out.index_copy_(0, index, _attend(qd, kd, vd, mask, scaling, softcap).squeeze(2))
+        if ctx.decode is not None:
+            qd = q.index_select(0, ctx.decode_index)
+            out.index_copy_(0, ctx.decode_index, _attend_decode(qd, k_pool, v_pool, ctx.decode, sliding_window, scaling, softcap))
         for s in ctx.prefill:
             qp = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             kp = k_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]

@@ -185,12 +185,16 @@ class ModelRunner:
     def _execute_decode(self, items: list[WorkItem]) -> torch.Tensor:
         """A step of one new token per sequence: every row samples, no packing indices needed."""
         seqs = [item.seq for item in items]
-        ctx = DecodeStep.build(
-            [s.block_table for s in seqs], [s.num_computed + 1 for s in seqs], self.block_size, self.device
-        )
+        ctx = self._decode_batch(seqs)
         input_ids = torch.tensor([[s.token_ids[s.num_computed] for s in seqs]], device=self.device)
         position_ids = torch.tensor([[s.num_computed for s in seqs]], device=self.device)
         return self._logits(self._decode(input_ids, position_ids, ctx))
+
+    def _decode_batch(self, seqs: list[Sequence]) -> DecodeStep:
+        """The attention inputs of sequences that each add their next token."""
+        return DecodeStep.build(
+            [s.block_table for s in seqs], [s.num_computed + 1 for s in seqs], self.block_size, self.device
+        )
 
     def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep) -> torch.Tensor:
         if self.compile_decode:  # the context width (>= 2) varies every step: never specialize on it
@@ -207,7 +211,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
-        decode: list[SeqSlice] = []
+        decode_rows: list[tuple[int, Sequence]] = []  # (packed index, sequence) of one-token rows
         prefill: list[SeqSlice] = []
         sample_rows: list[int] = []
         for item in items:
@@ -216,15 +220,19 @@ class ModelRunner:
             first = len(tokens)
             tokens.extend(seq.token_ids[start:stop])
             positions.extend(range(start, stop))
-            history = self._slots(seq.block_table, 0, stop)
-            slots.append(history[start:])
-            sl = SeqSlice(first, item.num_new, stop, history.to(self.device))
-            (decode if item.num_new == 1 else prefill).append(sl)
+            if item.num_new == 1:
+                slots.append(self._slots(seq.block_table, start, stop))
+                decode_rows.append((first, seq))
+            else:
+                history = self._slots(seq.block_table, 0, stop)
+                slots.append(history[start:])
+                prefill.append(SeqSlice(first, item.num_new, stop, history.to(self.device)))
             if item.samples:
                 sample_rows.append(len(tokens) - 1)
         ctx = StepContext(
             slot_mapping=torch.cat(slots).to(self.device),
-            decode=decode,
+            decode=self._decode_batch([s for _, s in decode_rows]) if decode_rows else None,
+            decode_index=torch.tensor([i for i, _ in decode_rows], device=self.device) if decode_rows else None,
             prefill=prefill,
             device=self.device,
         )
