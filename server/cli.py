@@ -20,8 +20,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
-        "--quantization", choices=["none", "int8", "int8-weights"],
-        help="CPU only. int8: int8 LM head; int8-weights: also weight-only int8 decoder layers",
+        "--quantization", choices=["none", "int8", "int8-weights", "w8a8"],
+        help="CPU only. int8: int8 LM head; int8-weights: also weight-only int8 decoder layers; "
+        "w8a8: int8 LM head, decoder layers as int8 x int8 GEMMs (per-token activation scales)",
     )
     p.add_argument(
         "--linear-layout", choices=["auto", "transposed", "native"],

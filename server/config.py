@@ -40,7 +40,7 @@ class ServerConfig(BaseModel):
     cache_dir: Path | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int8", "int8-weights"] = "none"
+    quantization: Literal["none", "int8", "int8-weights", "w8a8"] = "none"
     linear_layout: Literal["auto", "transposed", "native"] = Field(
         "auto", description="weights of linear layers; auto = transposed on CPU, native on CUDA"
     )

@@ -86,7 +86,7 @@ def test_greedy_tokens_equal_hf_generate_alone_and_when_8_run_concurrently(
 
 @pytest.mark.parametrize(
     ("dtype", "quantization"),
-    [(torch.bfloat16, "none"), (torch.float32, "int8"), (torch.float32, "int8-weights")],
+    [(torch.bfloat16, "none"), (torch.float32, "int8"), (torch.float32, "int8-weights"), (torch.float32, "w8a8")],
 )
 def test_fast_weight_formats_run_and_stay_close_to_fp32(
     llama_dir: Path, dtype: torch.dtype, quantization: str

@@ -1,13 +1,17 @@
-"""Weight-only int8 linears: close to the float layer, batch-independent, only where the kernel works."""
+"""int8 linears (weight-only, and int8 x int8 with per-token scales): close to the float layer,
+batch-independent, only where the kernel works."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from server.engine.quantization import (
+    Int8DynamicLinear,
     Int8WeightOnlyLinear,
     kernel_supports,
+    quantize_decoder_w8a8,
     quantize_decoder_weights,
 )
 
@@ -41,3 +45,52 @@ def test_only_layers_the_kernel_supports_are_quantized() -> None:
     assert isinstance(model[0], Int8WeightOnlyLinear) and isinstance(model[2], Int8WeightOnlyLinear)
     assert type(model[3]) is nn.Linear  # K = 8: left in floating point
     assert model(torch.randn(3, 64)).shape == (3, 4)
+
+
+@torch.inference_mode()
+def test_int8_dynamic_linear_is_the_integer_product_of_its_quantized_operands() -> None:
+    torch.manual_seed(2)
+    linear = nn.Linear(40, 24)  # K = 40: the integer GEMM takes any size
+    q = Int8DynamicLinear(linear.weight, linear.bias)
+    x = torch.randn(3, 40)
+    x[1] *= 50  # one loud row must not coarsen the others' scales
+    row_scales = x.abs().amax(dim=1, keepdim=True) / 127
+    xq = torch.round(x / row_scales).clamp(-127, 127)
+    want = (xq.double() @ q.weight_int8.double().t()) * row_scales.double() * q.scales.double() + linear.bias.double()
+    out = q(x)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.double(), want, rtol=1e-6, atol=1e-5)
+    ref = linear(x)
+    assert float(((out - ref).abs().amax(dim=1) / ref.abs().amax(dim=1)).max()) < 0.03
+
+
+@torch.inference_mode()
+def test_int8_dynamic_rows_do_not_depend_on_their_batch_mates() -> None:
+    torch.manual_seed(3)
+    q = Int8DynamicLinear(torch.randn(32, 64), None)
+    x = torch.randn(16, 64)
+    x[5] *= 100
+    alone = torch.cat([q(x[i : i + 1]) for i in range(16)])
+    assert torch.equal(q(x), alone)
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, inner)
+        self.down_proj = nn.Linear(inner, hidden)
+
+
+def test_w8a8_keeps_down_proj_weight_only_and_quantizes_the_rest() -> None:
+    model = nn.ModuleDict({"q_proj": nn.Linear(64, 32), "mlp": _MLP(64, 128), "odd": _MLP(64, 24)})
+    assert quantize_decoder_w8a8(model, torch.device("cpu")) == 4
+    assert isinstance(model["q_proj"], Int8DynamicLinear)
+    assert isinstance(model["mlp"].up_proj, Int8DynamicLinear)
+    assert isinstance(model["mlp"].down_proj, Int8WeightOnlyLinear)
+    assert isinstance(model["odd"].up_proj, Int8DynamicLinear)
+    assert type(model["odd"].down_proj) is nn.Linear  # K = 24: the weight-only kernel can't, float stays
+
+
+def test_w8a8_is_cpu_only() -> None:
+    with pytest.raises(ValueError, match="CPU only"):
+        quantize_decoder_w8a8(nn.Linear(16, 16), torch.device("cuda"))

@@ -41,15 +41,15 @@ class TransposedLinear(nn.Module):
 
 
 def replace_linears(
-    module: nn.Module, build: Callable[[nn.Linear], nn.Module], where: Callable[[nn.Linear], bool]
+    module: nn.Module, build: Callable[[nn.Linear], nn.Module], where: Callable[[str, nn.Linear], bool]
 ) -> int:
-    """Replace every plain `nn.Linear` under `module` for which `where` holds by `build(layer)`, in
-    place; returns the count. Each replaced layer's weight is released as it goes."""
+    """Replace every plain `nn.Linear` under `module` for which `where(attribute name, layer)` holds
+    by `build(layer)`, in place; returns the count. Each replaced layer's weight is released as it goes."""
     targets = [
         (parent, name, child)
         for parent in module.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and where(child)
+        if type(child) is nn.Linear and where(name, child)
     ]
     for parent, name, child in targets:
         setattr(parent, name, build(child))
@@ -58,4 +58,4 @@ def replace_linears(
 
 def transpose_linears(module: nn.Module) -> int:
     """Replace every `nn.Linear` under `module` by a TransposedLinear; returns the count."""
-    return replace_linears(module, TransposedLinear.from_linear, lambda _: True)
+    return replace_linears(module, TransposedLinear.from_linear, lambda _name, _layer: True)

@@ -25,7 +25,11 @@ from server.engine.attention import (
     make_paged_attention,
 )
 from server.engine.cpu_linear import TransposedLinear, transpose_linears
-from server.engine.quantization import quantize_decoder_weights, quantized_lm_head
+from server.engine.quantization import (
+    quantize_decoder_w8a8,
+    quantize_decoder_weights,
+    quantized_lm_head,
+)
 from server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,8 @@ class ModelRunner:
             raise ValueError(f"linear_layout must be auto, transposed or native; got {linear_layout!r}")
         if quantization == "int8-weights":
             quantize_decoder_weights(self.decoder, device)
+        elif quantization == "w8a8":
+            quantize_decoder_w8a8(self.decoder, device)
         if linear_layout == "transposed" or (linear_layout == "auto" and device.type == "cpu"):
             transpose_linears(self.decoder)
             if self.lm_head is head:  # an untied copy: the embedding keeps the [vocab, hidden] table
