@@ -38,6 +38,7 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         quantization=config.quantization,
         linear_layout=config.linear_layout,
         compile_decode=config.torch_compile,
+        cuda_graphs=config.torch_compile and config.cuda_graphs and device.type == "cuda",
     )
     if config.torch_compile:
         started = time.monotonic()

@@ -31,6 +31,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, help="CPU threads of a model step (default: one per core)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step at start-up (default off)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --torch-compile on CUDA, replay decode steps as CUDA graphs (default on)")
     p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
     p.add_argument("--kv-cache-memory", help="KV pool size, e.g. 1GiB")
     p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides memory)")

@@ -50,6 +50,9 @@ class ServerConfig(BaseModel):
     torch_compile: bool = Field(
         False, description="torch.compile the decode step; compiled at start-up (minutes on a small CPU)"
     )
+    cuda_graphs: bool = Field(
+        True, description="with torch_compile on CUDA: pad decode steps to bucketed shapes, replay CUDA graphs"
+    )
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_memory: int = Field(1024**3, gt=0, description="bytes for the KV pool, e.g. 1GiB")
     num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory")

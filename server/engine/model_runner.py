@@ -71,6 +71,11 @@ def compiler_available(device: torch.device) -> bool:
     return any(shutil.which(name) for name in ((chosen,) if chosen else ()) + names)
 
 
+def shape_bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum): few distinct shapes, at most 2x padding."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -84,6 +89,7 @@ class ModelRunner:
         quantization: str = "none",
         linear_layout: str = "auto",
         compile_decode: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         if compile_decode and not compiler_available(device):
             raise ValueError(
@@ -129,9 +135,16 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"KV cache budget too small: one block needs {per_block} bytes")
         self.num_blocks = int(num_blocks)
+        # CUDA graphs replay fixed shapes, so decode steps are padded to bucketed shapes (see
+        # _execute_decode); padding rows write their keys into one extra block no sequence owns.
+        self.cuda_graphs = cuda_graphs
+        self.scratch_block = self.num_blocks if cuda_graphs else None
         self.kv_cache = PagedKVCache(
-            cfg.num_hidden_layers, self.num_blocks, block_size, kv_heads, head_dim, dtype, device
+            cfg.num_hidden_layers, self.num_blocks + int(cuda_graphs), block_size, kv_heads, head_dim, dtype, device
         )
+        if cuda_graphs and device.type == "cuda":  # the graphs write the pools in place: fixed addresses
+            for pool in self.kv_cache.keys + self.kv_cache.values:
+                torch._dynamo.mark_static_address(pool)
         # One registered name per runner: the function is bound to this runner's own KV cache, so
         # several engines in one process (tests, benchmarks) never write into each other's pools.
         name = f"{ATTENTION_NAME}_{next(_runner_ids)}"
@@ -145,8 +158,13 @@ class ModelRunner:
         # the element-wise glue between the matmuls and drops most of the per-op dispatch cost, which
         # is about half of a one-row step on the CPU. Shapes are dynamic (rows, context width), so
         # one graph serves every batch size >= 2 and one more serves a single row.
+        # With cuda_graphs on CUDA, inductor's "reduce-overhead" mode records one CUDA graph per
+        # bucketed shape and replays it (on the CPU only the padding happens; that is how it is tested).
         self.compile_decode = compile_decode
-        self._run_decode = torch.compile(self._run_decoder, dynamic=True) if compile_decode else self._run_decoder
+        mode = "reduce-overhead" if cuda_graphs and device.type == "cuda" else None
+        self._run_decode = (
+            torch.compile(self._run_decoder, dynamic=True, mode=mode) if compile_decode else self._run_decoder
+        )
 
     @property
     def max_position_embeddings(self) -> int:
@@ -182,19 +200,33 @@ class ModelRunner:
         the slots of block 0 (nothing is cached yet, and every block is written before it is read)."""
         if not self.compile_decode:
             return
-        for lengths in ([2], [2, 3]):
-            ctx = DecodeStep.build([[0]] * len(lengths), lengths, self.block_size, self.device)
-            ids = torch.zeros((1, len(lengths)), dtype=torch.long, device=self.device)
-            positions = torch.tensor([[n - 1 for n in lengths]], device=self.device)
-            self._logits(self._decode(ids, positions, ctx))
+        for positions in ([1], [1, 2]) * (3 if self.cuda_graphs else 1):  # CUDA graphs record on a later call
+            self._decode_step([[0]] * len(positions), [0] * len(positions), positions)
 
     def _execute_decode(self, items: list[WorkItem]) -> torch.Tensor:
         """A step of one new token per sequence: every row samples, no packing indices needed."""
         seqs = [item.seq for item in items]
-        ctx = self._decode_batch(seqs)
-        input_ids = torch.tensor([[s.token_ids[s.num_computed] for s in seqs]], device=self.device)
-        position_ids = torch.tensor([[s.num_computed for s in seqs]], device=self.device)
-        return self._logits(self._decode(input_ids, position_ids, ctx))
+        return self._decode_step(
+            [s.block_table for s in seqs], [s.token_ids[s.num_computed] for s in seqs], [s.num_computed for s in seqs]
+        )
+
+    def _decode_step(self, tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits [B, V] of B rows that each add `tokens[b]` at `positions[b]`. With cuda_graphs the
+        batch is padded to a bucketed row count and context width, and the padding cut off again."""
+        n = len(tokens)
+        lengths = [p + 1 for p in positions]
+        if self.cuda_graphs:
+            rows = shape_bucket(n, 1)
+            ctx = DecodeStep.build(
+                tables, lengths, self.block_size, self.device, rows=rows,
+                width=shape_bucket(max(lengths), 4 * self.block_size), scratch_block=self.scratch_block,
+            )
+            tokens, positions = tokens + [0] * (rows - n), positions + [0] * (rows - n)
+        else:
+            ctx = DecodeStep.build(tables, lengths, self.block_size, self.device)
+        input_ids = torch.tensor([tokens], device=self.device)
+        position_ids = torch.tensor([positions], device=self.device)
+        return self._logits(self._decode(input_ids, position_ids, ctx)[:n])
 
     def _decode_batch(self, seqs: list[Sequence]) -> DecodeStep:
         """The attention inputs of sequences that each add their next token."""
