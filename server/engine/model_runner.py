@@ -238,6 +238,8 @@ class ModelRunner:
         if self.compile_decode:  # the context width (>= 2) varies every step: never specialize on it
             torch._dynamo.mark_dynamic(ctx.gather, 1)
             torch._dynamo.mark_dynamic(ctx.positions, 1)
+            if self.cuda_graphs and self.device.type == "cuda":  # each call is a new step: replay may reuse outputs
+                torch.compiler.cudagraph_mark_step_begin()
         return self._run_decode(input_ids, position_ids, ctx)
 
     @torch.inference_mode()
