@@ -15,6 +15,7 @@ from server.engine.model_runner import ModelRunner, shape_bucket
 from tests.conftest import make_engine
 from tests.engine_driver import generate
 from tests.test_engine_correctness import PROMPTS, hf_greedy
+from tests.test_torch_compile import served_config
 
 
 def test_shape_buckets_are_powers_of_two_above_a_floor() -> None:
@@ -69,14 +70,7 @@ def test_padded_decode_steps_give_hf_greedy_tokens_and_free_every_block(
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], True), (["--no-cuda-graphs"], False)])
-def test_cuda_graphs_flag_reaches_the_config_and_stays_off_on_the_cpu(
+def test_cuda_graphs_flag_reaches_the_config(
     argv: list[str], expected: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import server.cli
-    import server.http_server
-
-    started: list[object] = []
-    monkeypatch.setattr(server.cli, "setup_logging", lambda *args: None)
-    monkeypatch.setattr(server.http_server, "run_server", started.append)
-    assert server.cli.main(["serve", "--torch-compile", *argv]) == 0
-    assert [config.cuda_graphs for config in started] == [expected]
+    assert served_config(["--torch-compile", *argv], monkeypatch).cuda_graphs is expected

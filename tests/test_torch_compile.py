@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoding import DecodingParams
-from server.config import load_config
+from server.config import ServerConfig, load_config
 from server.engine.attention import DecodeStep
 from server.engine.engine import Engine
 from server.engine.model_runner import ModelRunner
@@ -86,19 +86,25 @@ def test_compiled_w8a8_decode_gives_the_eager_w8a8_tokens(tiny_model_dirs: dict[
     assert compiled.pool.num_free == compiled.pool.num_blocks
 
 
+def served_config(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> ServerConfig:
+    """The config `beamline serve *argv` would start the server with (nothing is started)."""
+    import server.cli
+    import server.http_server
+
+    started: list[ServerConfig] = []
+    monkeypatch.setattr(server.cli, "setup_logging", lambda *args: None)
+    monkeypatch.setattr(server.http_server, "run_server", started.append)
+    assert server.cli.main(["serve", *argv]) == 0
+    assert len(started) == 1
+    return started[0]
+
+
 @pytest.mark.parametrize(("argv", "expected"), [([], False), (["--torch-compile"], True),
                                                  (["--no-torch-compile"], False)])
 def test_torch_compile_is_off_by_default_and_the_flag_reaches_the_server_config(
     argv: list[str], expected: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import server.cli
-    import server.http_server
-
-    started: list[object] = []
-    monkeypatch.setattr(server.cli, "setup_logging", lambda *args: None)
-    monkeypatch.setattr(server.http_server, "run_server", started.append)
-    assert server.cli.main(["serve", *argv]) == 0
-    assert [config.torch_compile for config in started] == [expected]
+    assert served_config(argv, monkeypatch).torch_compile is expected
 
 
 def test_torch_compile_can_be_set_in_yaml(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ per-tensor one. The MLP's `down_proj` stays weight-only: its input (the gated GE
 the outlier channels, and quantizing it too raised perplexity from 32.7 to 34.1 on the bundled text.
 
 `benchmarks/accuracy.py` reports perplexity and greedy agreement of each format against fp32.
-CPU only: both kernels are CPU kernels.
+CPU only: every kernel here is a CPU kernel.
 """
 
 from __future__ import annotations
