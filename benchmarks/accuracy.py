@@ -60,13 +60,21 @@ def perplexity(runner: ModelRunner, tokenizer, text: str) -> float:
     return math.exp(float(nll))
 
 
-def greedy_outputs(runner: ModelRunner, tokenizer, prompts: list[str], tokens: int) -> tuple[list[list[int]], float]:
+def greedy_outputs(
+    runner: ModelRunner, tokenizer, prompts: list[str], tokens: int
+) -> tuple[list[list[int]], float]:
     engine = Engine(runner, tokenizer, max_num_batched_tokens=1024)
     results: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     params = DecodingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.submit(EngineRequest(str(i), tokenizer(p).input_ids, params,
-                                    lambda out, i=i: results[i].extend(out.token_ids)))
+        engine.submit(
+            EngineRequest(
+                str(i),
+                tokenizer(p).input_ids,
+                params,
+                lambda out, i=i: results[i].extend(out.token_ids),
+            )
+        )
     start = time.perf_counter()
     while engine.step():
         pass
@@ -83,7 +91,9 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model directory or .gguf (default: Gemma 3 270M)")
+    parser.add_argument(
+        "--model", default=None, help="model directory or .gguf (default: Gemma 3 270M)"
+    )
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
@@ -97,22 +107,35 @@ def main(argv: list[str] | None = None) -> int:
     reference: list[list[int]] | None = None
     for name in args.formats.split(","):
         dtype, quantization = FORMATS[name]
-        runner = ModelRunner(model_dir, device=torch.device("cpu"), dtype=dtype, block_size=16,
-                             num_blocks=512, quantization=quantization)
+        runner = ModelRunner(
+            model_dir,
+            device=torch.device("cpu"),
+            dtype=dtype,
+            block_size=16,
+            num_blocks=512,
+            quantization=quantization,
+        )
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         outputs, tok_s = greedy_outputs(runner, tokenizer, prompts, args.tokens)
-        entry = {"perplexity": round(perplexity(runner, tokenizer, text), 4),
-                 "greedy_tok_s_batch": round(tok_s, 1)}
+        entry = {
+            "perplexity": round(perplexity(runner, tokenizer, text), 4),
+            "greedy_tok_s_batch": round(tok_s, 1),
+        }
         if reference is None:
             reference = outputs
         else:
             lead = [leading_agreement(o, r) for o, r in zip(outputs, reference)]
             entry["mean_tokens_before_first_divergence"] = round(sum(lead) / len(lead), 2)
-            entry["identical_outputs"] = f"{sum(o == r for o, r in zip(outputs, reference))}/{len(outputs)}"
+            entry["identical_outputs"] = (
+                f"{sum(o == r for o, r in zip(outputs, reference))}/{len(outputs)}"
+            )
             entry["token_agreement"] = round(
-                sum(x == y for o, r in zip(outputs, reference) for x, y in zip(o, r)) / (len(outputs) * args.tokens), 3)
+                sum(x == y for o, r in zip(outputs, reference) for x, y in zip(o, r))
+                / (len(outputs) * args.tokens),
+                3,
+            )
         report[name] = entry
         print(f"{name:5s} {entry}", flush=True)
         del runner

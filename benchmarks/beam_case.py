@@ -61,10 +61,14 @@ async def _one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
         await poller
     after = await engine_stats(client, base_url)
     status = resp.status_code if resp is not None else 0
-    out: dict = {"request": {k: v for k, v in body.items() if k != "prompt"}, "status": status,
-                 "seconds": elapsed, "kv_blocks_used_before": _used(before),
-                 "kv_blocks_used_peak_sampled": peak_sampled,
-                 "peak_kv_blocks_used_since_start": after.get("peak_kv_blocks_used") if after else None}
+    out: dict = {
+        "request": {k: v for k, v in body.items() if k != "prompt"},
+        "status": status,
+        "seconds": elapsed,
+        "kv_blocks_used_before": _used(before),
+        "kv_blocks_used_peak_sampled": peak_sampled,
+        "peak_kv_blocks_used_since_start": after.get("peak_kv_blocks_used") if after else None,
+    }
     if resp is not None and status == 200:
         data = resp.json()
         out["text"] = data["choices"][0].get("text", "") if data.get("choices") else ""
@@ -75,7 +79,11 @@ async def _one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
 
 
 async def run_beam_case(
-    base_url: str, model: str, max_tokens: int = 64, ignore_eos: bool = True, num_beams: int = 4,
+    base_url: str,
+    model: str,
+    max_tokens: int = 64,
+    ignore_eos: bool = True,
+    num_beams: int = 4,
     api_key: str | None = None,
 ) -> dict:
     base_url = base_url.rstrip("/")
@@ -83,7 +91,9 @@ async def run_beam_case(
     if ignore_eos:
         common["ignore_eos"] = True
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=30.0), headers=headers) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(900.0, connect=30.0), headers=headers
+    ) as client:
         warm = await client.post(base_url + "/v1/completions", json={**common, "max_tokens": 2})
         stats_available = await engine_stats(client, base_url) is not None
         greedy = await _one(client, base_url, common)
@@ -91,9 +101,13 @@ async def run_beam_case(
     ok = greedy["status"] == 200 and beam["status"] == 200
     g_kv, b_kv = greedy["kv_blocks_used_peak_sampled"], beam["kv_blocks_used_peak_sampled"]
     result = {
-        "prompt": BEAM_PROMPT, "max_tokens": max_tokens, "num_beams": num_beams,
+        "prompt": BEAM_PROMPT,
+        "max_tokens": max_tokens,
+        "num_beams": num_beams,
         "engine_stats_available": stats_available,
-        "warmup_status": warm.status_code, "greedy": greedy, "beam": beam,
+        "warmup_status": warm.status_code,
+        "greedy": greedy,
+        "beam": beam,
         "time_ratio": beam["seconds"] / greedy["seconds"] if ok and greedy["seconds"] > 0 else None,
         "kv_blocks_ratio": b_kv / g_kv if ok and g_kv and b_kv is not None else None,
         "notes": [],
@@ -101,21 +115,28 @@ async def run_beam_case(
     if not stats_available:
         result["notes"].append("GET /v1/engine/stats unavailable: KV blocks not reported")
     if ok and greedy.get("text") == beam.get("text"):
-        result["notes"].append("beam text equals greedy text (possible, or the server ignored num_beams)")
+        result["notes"].append(
+            "beam text equals greedy text (possible, or the server ignored num_beams)"
+        )
     return result
 
 
 def format_beam_case(res: dict) -> str:
     def row(name: str, r: dict) -> str:
         kv = r["kv_blocks_used_peak_sampled"]
-        return (f"  {name:<8} status {r['status']}  {r['seconds']:.2f} s  tokens {r.get('completion_tokens', '-')}"
-                f"  KV blocks peak {kv if kv is not None else '-'}"
-                f" (server peak since start {r['peak_kv_blocks_used_since_start'] or '-'})")
+        return (
+            f"  {name:<8} status {r['status']}  {r['seconds']:.2f} s  tokens {r.get('completion_tokens', '-')}"
+            f"  KV blocks peak {kv if kv is not None else '-'}"
+            f" (server peak since start {r['peak_kv_blocks_used_since_start'] or '-'})"
+        )
 
     tr, kr = res["time_ratio"], res["kv_blocks_ratio"]
-    lines = [f"beam case: {res['max_tokens']} tokens, greedy vs num_beams={res['num_beams']}",
-             row("greedy", res["greedy"]), row("beam", res["beam"]),
-             f"  time ratio beam/greedy: {'-' if tr is None else f'{tr:.2f}'}"
-             f"   KV blocks ratio: {'-' if kr is None else f'{kr:.2f}'}"]
+    lines = [
+        f"beam case: {res['max_tokens']} tokens, greedy vs num_beams={res['num_beams']}",
+        row("greedy", res["greedy"]),
+        row("beam", res["beam"]),
+        f"  time ratio beam/greedy: {'-' if tr is None else f'{tr:.2f}'}"
+        f"   KV blocks ratio: {'-' if kr is None else f'{kr:.2f}'}",
+    ]
     lines += [f"  note: {n}" for n in res["notes"]]
     return "\n".join(lines)

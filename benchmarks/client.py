@@ -50,10 +50,15 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def make_client(concurrency: int, timeout_s: float, api_key: str | None = None) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1) + 4)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits,
-                             headers=auth_headers(api_key))
+def make_client(
+    concurrency: int, timeout_s: float, api_key: str | None = None
+) -> httpx.AsyncClient:
+    limits = httpx.Limits(
+        max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1) + 4
+    )
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits, headers=auth_headers(api_key)
+    )
 
 
 def _error_text(payload: object) -> str:
@@ -66,7 +71,9 @@ async def stream_completion(
     client: httpx.AsyncClient, target: CompletionTarget, req: BenchRequest
 ) -> RequestResult:
     """Send one streaming request and time it. Never raises: failures become `success=False`."""
-    result = RequestResult(index=req.index, expected_output_tokens=req.max_tokens if target.ignore_eos else None)
+    result = RequestResult(
+        index=req.index, expected_output_tokens=req.max_tokens if target.ignore_eos else None
+    )
     url = target.base_url.rstrip("/") + "/v1/completions"
     chunks_with_text = 0
     usage_tokens: int | None = None
@@ -182,7 +189,9 @@ async def run_poisson(
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), desc=desc or f"rate={rate:g}/s", unit="req", leave=False)
 
-    async def one(client: httpx.AsyncClient, req: BenchRequest, at: float, t0: float) -> RequestResult:
+    async def one(
+        client: httpx.AsyncClient, req: BenchRequest, at: float, t0: float
+    ) -> RequestResult:
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         if limit is None:
             res = await stream_completion(client, target, req)
@@ -192,9 +201,13 @@ async def run_poisson(
         bar.update()
         return res
 
-    async with make_client(max_concurrency or len(requests), target.request_timeout_s, target.api_key) as client:
+    async with make_client(
+        max_concurrency or len(requests), target.request_timeout_s, target.api_key
+    ) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(client, r, a, start) for r, a in zip(requests, arrivals)))
+        results = await asyncio.gather(
+            *(one(client, r, a, start) for r, a in zip(requests, arrivals))
+        )
         duration = time.perf_counter() - start
     bar.close()
     return list(results), duration

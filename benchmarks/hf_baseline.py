@@ -56,7 +56,9 @@ class StepTimer:
         return self.stamps[1:]
 
 
-def load_hf_model(model: str | None, dtype: str = "float32", cache_dir: Path | None = None) -> HFModel:
+def load_hf_model(
+    model: str | None, dtype: str = "float32", cache_dir: Path | None = None
+) -> HFModel:
     """Load the same model beamline serves (GGUF converted once by beamline's own loader)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,7 +77,9 @@ def load_hf_model(model: str | None, dtype: str = "float32", cache_dir: Path | N
     return HFModel(net, tokenizer, path, dtype, time.perf_counter() - start, eos_ids)
 
 
-def own_length(new_tokens: Sequence[int], max_tokens: int, eos_ids: Sequence[int], ignore_eos: bool) -> int:
+def own_length(
+    new_tokens: Sequence[int], max_tokens: int, eos_ids: Sequence[int], ignore_eos: bool
+) -> int:
     """How many of a row's generated tokens are its own output (EOS included, padding not)."""
     if ignore_eos:
         return min(max_tokens, len(new_tokens))
@@ -102,35 +106,43 @@ def _generate(hf: HFModel, batch: Sequence[BenchRequest], ignore_eos: bool) -> l
     with torch.inference_mode():
         out = hf.model.generate(**enc, generation_config=config, streamer=timer)
     t_end = time.perf_counter()
-    new = out[:, enc["input_ids"].shape[1]:].tolist()
+    new = out[:, enc["input_ids"].shape[1] :].tolist()
     steps = timer.step_times
     results = []
     for row, req in enumerate(batch):
         n = own_length(new[row], req.max_tokens, hf.eos_ids, ignore_eos)
         own_steps = steps[:n]
-        results.append(RequestResult(
-            index=req.index,
-            success=True,
-            ttft=(steps[0] if steps else t_end) - t0,
-            e2el=t_end - t0,
-            itl=[b - a for a, b in zip(own_steps, own_steps[1:])],
-            output_tokens=n,
-            prompt_tokens=int(enc["attention_mask"][row].sum()),
-            expected_output_tokens=req.max_tokens if ignore_eos else None,
-            text=tok.decode(new[row][:n], skip_special_tokens=True),
-        ))
+        results.append(
+            RequestResult(
+                index=req.index,
+                success=True,
+                ttft=(steps[0] if steps else t_end) - t0,
+                e2el=t_end - t0,
+                itl=[b - a for a, b in zip(own_steps, own_steps[1:])],
+                output_tokens=n,
+                prompt_tokens=int(enc["attention_mask"][row].sum()),
+                expected_output_tokens=req.max_tokens if ignore_eos else None,
+                text=tok.decode(new[row][:n], skip_special_tokens=True),
+            )
+        )
     return results
 
 
 def run_static_batches(
-    hf: HFModel, requests: Sequence[BenchRequest], batch_size: int, ignore_eos: bool = True, desc: str = ""
+    hf: HFModel,
+    requests: Sequence[BenchRequest],
+    batch_size: int,
+    ignore_eos: bool = True,
+    desc: str = "",
 ) -> tuple[list[RequestResult], float]:
     """Consecutive batches of `batch_size` requests in workload order. Returns results, wall time."""
     results: list[RequestResult] = []
-    bar = tqdm(total=len(requests), desc=desc or f"hf static b={batch_size}", unit="req", leave=False)
+    bar = tqdm(
+        total=len(requests), desc=desc or f"hf static b={batch_size}", unit="req", leave=False
+    )
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
+        batch = requests[i : i + batch_size]
         results.extend(_generate(hf, batch, ignore_eos))
         bar.update(len(batch))
     duration = time.perf_counter() - start

@@ -41,7 +41,9 @@ def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None 
     with httpx.Client(timeout=5.0) as client:
         while True:
             if proc is not None and proc.poll() is not None:
-                raise LaunchError(f"server exited with code {proc.returncode} before becoming healthy")
+                raise LaunchError(
+                    f"server exited with code {proc.returncode} before becoming healthy"
+                )
             try:
                 if client.get(base_url + "/health").status_code == 200:
                     return time.monotonic() - start
@@ -99,7 +101,9 @@ def launched_beamline(
             try:
                 ready = wait_healthy(base_url, timeout_s, proc)
             except LaunchError as exc:
-                raise LaunchError(f"{exc}\n--- last lines of {log_path} ---\n{_tail(log_path)}") from None
+                raise LaunchError(
+                    f"{exc}\n--- last lines of {log_path} ---\n{_tail(log_path)}"
+                ) from None
             yield base_url, ready
         finally:
             _stop(proc)

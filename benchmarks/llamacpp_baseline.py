@@ -42,7 +42,9 @@ class LlamaCppRunner:
         from llama_cpp import Llama
 
         start = time.perf_counter()
-        self.llm = Llama(model_path=str(gguf), n_threads=n_threads, n_ctx=n_ctx, verbose=False, seed=0)
+        self.llm = Llama(
+            model_path=str(gguf), n_threads=n_threads, n_ctx=n_ctx, verbose=False, seed=0
+        )
         self.load_s = time.perf_counter() - start
         self.n_ctx = n_ctx
         self.gguf = gguf
@@ -54,17 +56,23 @@ class LlamaCppRunner:
 
     def run_one(self, req: BenchRequest, ignore_eos: bool = True) -> RequestResult:
         """Greedy generation of exactly `max_tokens` tokens (or until EOS), timed per token."""
-        result = RequestResult(index=req.index, expected_output_tokens=req.max_tokens if ignore_eos else None)
+        result = RequestResult(
+            index=req.index, expected_output_tokens=req.max_tokens if ignore_eos else None
+        )
         start = time.perf_counter()
         tokens = self.llm.tokenize(req.prompt.encode(), add_bos=True)
         result.prompt_tokens = len(tokens)
         if len(tokens) + req.max_tokens > self.n_ctx:
-            result.error = f"prompt + output ({len(tokens)} + {req.max_tokens}) exceeds n_ctx {self.n_ctx}"
+            result.error = (
+                f"prompt + output ({len(tokens)} + {req.max_tokens}) exceeds n_ctx {self.n_ctx}"
+            )
             return result
         self.llm.reset()  # no prefix reuse between requests: every system computes every prompt
         out: list[int] = []
         last = start
-        for tok in self.llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0, reset=True):
+        for tok in self.llm.generate(
+            tokens, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0, reset=True
+        ):
             now = time.perf_counter()
             if out:
                 result.itl.append(now - last)

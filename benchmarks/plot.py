@@ -13,7 +13,14 @@ def plot_results(doc: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     xlabel = "concurrency" if doc["mode"] == "concurrency" else "request rate (req/s)"
-    xs_all = sorted({run["x"] for s in doc["systems"].values() if s["kind"] != "sequential" for run in s["runs"]})
+    xs_all = sorted(
+        {
+            run["x"]
+            for s in doc["systems"].values()
+            if s["kind"] != "sequential"
+            for run in s["runs"]
+        }
+    )
     fig, (ax_tps, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, sysd in enumerate(doc["systems"].values()):
@@ -26,22 +33,35 @@ def plot_results(doc: dict, path: Path) -> Path:
         if sysd["kind"] == "sequential":  # load-independent: a horizontal reference line
             ax_tps.axhline(tps[0], linestyle="--", linewidth=1, label=sysd["label"], color=color)
             if ttft[0] is not None:
-                ax_ttft.axhline(ttft[0], linestyle="--", linewidth=1, label=sysd["label"], color=color)
+                ax_ttft.axhline(
+                    ttft[0], linestyle="--", linewidth=1, label=sysd["label"], color=color
+                )
             continue
         xs = [r["x"] for r in runs]
         width = 2.5 if sysd["kind"] == "server" else 1.5
         ax_tps.plot(xs, tps, marker="o", linewidth=width, label=sysd["label"], color=color)
         ax_ttft.plot(xs, ttft, marker="o", linewidth=width, label=sysd["label"], color=color)
-    if doc["mode"] == "concurrency":  # only at load levels of this run, so they don't stretch the axis
+    if (
+        doc["mode"] == "concurrency"
+    ):  # only at load levels of this run, so they don't stretch the axis
         by_peer: dict[str, list[dict]] = {}
         for p in doc["recorded_peers"]:
             if p["concurrency"] in xs_all:
                 by_peer.setdefault(p["system"], []).append(p)
         for name, pts in by_peer.items():
-            ax_tps.plot([p["concurrency"] for p in pts], [p["output_throughput"] for p in pts],
-                        linestyle=":", marker="s", markerfacecolor="none", color="grey" if "llama" in name else "tan",
-                        label=f"{name} ({doc['recorded_note']})")
-    for ax, ylabel in ((ax_tps, "output tokens/s (higher is better)"), (ax_ttft, "TTFT p50, ms (lower is better)")):
+            ax_tps.plot(
+                [p["concurrency"] for p in pts],
+                [p["output_throughput"] for p in pts],
+                linestyle=":",
+                marker="s",
+                markerfacecolor="none",
+                color="grey" if "llama" in name else "tan",
+                label=f"{name} ({doc['recorded_note']})",
+            )
+    for ax, ylabel in (
+        (ax_tps, "output tokens/s (higher is better)"),
+        (ax_ttft, "TTFT p50, ms (lower is better)"),
+    ):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         if len(xs_all) > 1 and xs_all[0] > 0 and xs_all[-1] / xs_all[0] >= 8:
@@ -56,11 +76,13 @@ def plot_results(doc: dict, path: Path) -> Path:
     ax_ttft.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_tps.legend(fontsize=7, loc="best")
     w = doc["workload"]
-    fig.suptitle(f"{doc['system_under_test']} serving benchmark: {w['name']}, {w['num_requests']} requests, "
-                 f"outputs {w['output_tokens_range'][0]}-{w['output_tokens_range'][1]} tokens", fontsize=10)
+    fig.suptitle(
+        f"{doc['system_under_test']} serving benchmark: {w['name']}, {w['num_requests']} requests, "
+        f"outputs {w['output_tokens_range'][0]}-{w['output_tokens_range'][1]} tokens",
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-

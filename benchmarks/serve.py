@@ -51,10 +51,20 @@ ALL_BASELINES = ("hf-static", "hf-sequential", "llama-cpp")
 
 # Mode presets; any flag given explicitly wins. Short mode fits CI: < 2 minutes with model load.
 PRESETS = {
-    "full": {"num_requests": 48, "output_tokens": "32,128", "concurrency": "1,4,16",
-             "baselines": ",".join(ALL_BASELINES), "beam_max_tokens": 64},
-    "short": {"num_requests": 8, "output_tokens": "16,32", "concurrency": "1,4",
-              "baselines": "hf-static,llama-cpp", "beam_max_tokens": 16},
+    "full": {
+        "num_requests": 48,
+        "output_tokens": "32,128",
+        "concurrency": "1,4,16",
+        "baselines": ",".join(ALL_BASELINES),
+        "beam_max_tokens": 64,
+    },
+    "short": {
+        "num_requests": 8,
+        "output_tokens": "16,32",
+        "concurrency": "1,4",
+        "baselines": "hf-static,llama-cpp",
+        "beam_max_tokens": 16,
+    },
 }
 
 
@@ -70,66 +80,136 @@ def _number_list(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
     return values
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     target = p.add_argument_group("system under test")
     where = target.add_mutually_exclusive_group(required=True)
-    where.add_argument("--launch-beamline", action="store_true", help="start `beamline serve` on a free port")
-    where.add_argument("--base-url", help="an already running OpenAI-compatible server, e.g. http://127.0.0.1:8080")
-    target.add_argument("--model", help="model for the launched server and the baselines "
-                        "(HF directory or .gguf; default: the bundled Gemma 3 270M GGUF)")
-    target.add_argument("--model-name", help="`model` field of requests (default: first id of GET /v1/models)")
-    target.add_argument("--label", help="name of the system under test (default: beamline if launched, else server)")
-    target.add_argument("--beamline-args", default="", help="extra `beamline serve` flags, e.g. \"--max-num-seqs 16\"")
-    target.add_argument("--compare-beamline", action="append", default=[], metavar="LABEL=ARGS",
-                        help="also launch beamline with these extra flags, same load, after the main run "
-                        "(repeatable), e.g. 'fp32-native=--quantization none'; ratios are main / this")
-    target.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for /health")
-    target.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                        help="don't send ignore_eos (for servers without it); output lengths then vary")
+    where.add_argument(
+        "--launch-beamline", action="store_true", help="start `beamline serve` on a free port"
+    )
+    where.add_argument(
+        "--base-url", help="an already running OpenAI-compatible server, e.g. http://127.0.0.1:8080"
+    )
+    target.add_argument(
+        "--model",
+        help="model for the launched server and the baselines "
+        "(HF directory or .gguf; default: the bundled Gemma 3 270M GGUF)",
+    )
+    target.add_argument(
+        "--model-name", help="`model` field of requests (default: first id of GET /v1/models)"
+    )
+    target.add_argument(
+        "--label", help="name of the system under test (default: beamline if launched, else server)"
+    )
+    target.add_argument(
+        "--beamline-args", default="", help='extra `beamline serve` flags, e.g. "--max-num-seqs 16"'
+    )
+    target.add_argument(
+        "--compare-beamline",
+        action="append",
+        default=[],
+        metavar="LABEL=ARGS",
+        help="also launch beamline with these extra flags, same load, after the main run "
+        "(repeatable), e.g. 'fp32-native=--quantization none'; ratios are main / this",
+    )
+    target.add_argument(
+        "--launch-timeout", type=float, default=600.0, help="seconds to wait for /health"
+    )
+    target.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="don't send ignore_eos (for servers without it); output lengths then vary",
+    )
     target.add_argument("--request-timeout", type=float, default=600.0)
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="Bearer key for the server (default: $OPENAI_API_KEY; a launched beamline needs none)")
+    target.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="Bearer key for the server (default: $OPENAI_API_KEY; a launched beamline needs none)",
+    )
 
     load = p.add_argument_group("load")
-    load.add_argument("--concurrency", type=_number_list, help="closed-loop sweep, e.g. 1,4,16 (default)")
-    load.add_argument("--request-rate", type=_number_list, help="Poisson arrivals at these rates (req/s) instead")
-    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight with --request-rate")
-    load.add_argument("--warmup", type=int, default=1, help="unmeasured short requests before measuring")
+    load.add_argument(
+        "--concurrency", type=_number_list, help="closed-loop sweep, e.g. 1,4,16 (default)"
+    )
+    load.add_argument(
+        "--request-rate", type=_number_list, help="Poisson arrivals at these rates (req/s) instead"
+    )
+    load.add_argument(
+        "--max-concurrency", type=int, help="cap on requests in flight with --request-rate"
+    )
+    load.add_argument(
+        "--warmup", type=int, default=1, help="unmeasured short requests before measuring"
+    )
 
     wl = p.add_argument_group("workload")
-    wl.add_argument("--dataset", choices=["synthetic", "prompts"], default="synthetic",
-                    help="seeded random word prompts, or the prompt set of --prompts-file")
-    wl.add_argument("--prompts-file", type=Path, help="JSON lines {\"prompt\": ...} (default: benchmarks/prompts.jsonl)")
+    wl.add_argument(
+        "--dataset",
+        choices=["synthetic", "prompts"],
+        default="synthetic",
+        help="seeded random word prompts, or the prompt set of --prompts-file",
+    )
+    wl.add_argument(
+        "--prompts-file",
+        type=Path,
+        help='JSON lines {"prompt": ...} (default: benchmarks/prompts.jsonl)',
+    )
     wl.add_argument("--num-requests", type=int)
-    wl.add_argument("--prompt-words", type=_int_pair, default=(8, 48), help="MIN,MAX words (synthetic)")
-    wl.add_argument("--output-tokens", type=_int_pair, help="MIN,MAX output tokens (default 32,128)")
-    wl.add_argument("--shared-prefix-words", type=int, default=0, metavar="N",
-                    help="prepend the same seeded N-word system prompt to every prompt (prefix caching)")
+    wl.add_argument(
+        "--prompt-words", type=_int_pair, default=(8, 48), help="MIN,MAX words (synthetic)"
+    )
+    wl.add_argument(
+        "--output-tokens", type=_int_pair, help="MIN,MAX output tokens (default 32,128)"
+    )
+    wl.add_argument(
+        "--shared-prefix-words",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prepend the same seeded N-word system prompt to every prompt (prefix caching)",
+    )
     wl.add_argument("--seed", type=int, default=0)
 
     base = p.add_argument_group("baselines (run after the server is stopped, on the same workload)")
     base.add_argument("--baselines", help=f"comma list of {', '.join(ALL_BASELINES)}, or none")
-    base.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                      help="HF baselines' dtype, also passed to a launched beamline (default float32)")
-    base.add_argument("--gguf", type=Path, help="GGUF for llama-cpp (default: --model if .gguf, else bundled)")
+    base.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="HF baselines' dtype, also passed to a launched beamline (default float32)",
+    )
+    base.add_argument(
+        "--gguf", type=Path, help="GGUF for llama-cpp (default: --model if .gguf, else bundled)"
+    )
     base.add_argument("--llama-threads", type=int, default=2)
     base.add_argument("--llama-n-ctx", type=int, default=2048)
 
     run = p.add_argument_group("run")
-    run.add_argument("--short", action="store_true", help="CI size: 8 requests, outputs 16-32, c=1,4")
-    run.add_argument("--beam-case", action="store_true",
-                     help="only the beam-search case: one greedy and one num_beams=4 request, sequentially")
+    run.add_argument(
+        "--short", action="store_true", help="CI size: 8 requests, outputs 16-32, c=1,4"
+    )
+    run.add_argument(
+        "--beam-case",
+        action="store_true",
+        help="only the beam-search case: one greedy and one num_beams=4 request, sequentially",
+    )
     run.add_argument("--beam-max-tokens", type=int)
     run.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    run.add_argument("--tag", help="file name stem of the results (default: serve[-short]-TIMESTAMP)")
+    run.add_argument(
+        "--tag", help="file name stem of the results (default: serve[-short]-TIMESTAMP)"
+    )
     return p
 
 
@@ -152,7 +232,9 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
     names = [] if names == ["none"] else names
     unknown = set(names) - set(ALL_BASELINES)
     if unknown:
-        parser.error(f"unknown baseline(s) {sorted(unknown)}; choose from {', '.join(ALL_BASELINES)} or none")
+        parser.error(
+            f"unknown baseline(s) {sorted(unknown)}; choose from {', '.join(ALL_BASELINES)} or none"
+        )
     args.baseline_names = names
     args.variants = []
     for spec in args.compare_beamline:
@@ -168,9 +250,15 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
 
 def peers_comparable(args: argparse.Namespace) -> bool:
     """Whether this run uses the setting of the recorded peer figures (design notes §3)."""
-    return (args.model is None and args.dataset == "synthetic" and args.num_requests == 48
-            and tuple(args.prompt_words) == (8, 48) and tuple(args.output_tokens) == (32, 128)
-            and args.shared_prefix_words == 0 and args.ignore_eos)
+    return (
+        args.model is None
+        and args.dataset == "synthetic"
+        and args.num_requests == 48
+        and tuple(args.prompt_words) == (8, 48)
+        and tuple(args.output_tokens) == (32, 128)
+        and args.shared_prefix_words == 0
+        and args.ignore_eos
+    )
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -178,7 +266,9 @@ def build_workload(args: argparse.Namespace) -> Workload:
         kwargs = {"path": args.prompts_file} if args.prompts_file else {}
         workload = prompts_workload(args.num_requests, args.output_tokens, args.seed, **kwargs)
     else:
-        workload = synthetic_workload(args.num_requests, args.prompt_words, args.output_tokens, args.seed)
+        workload = synthetic_workload(
+            args.num_requests, args.prompt_words, args.output_tokens, args.seed
+        )
     return with_shared_prefix(workload, args.shared_prefix_words, args.seed)
 
 
@@ -189,18 +279,33 @@ async def bench_server(
     label = label or args.label
     async with make_client(1, target.request_timeout_s, target.api_key) as client:
         for i in range(args.warmup):
-            await stream_completion(client, target, BenchRequest(-1 - i, workload.requests[0].prompt, 4))
-    result = SystemResult(label, label, "server", info={"base_url": target.base_url, "model": target.model})
+            await stream_completion(
+                client, target, BenchRequest(-1 - i, workload.requests[0].prompt, 4)
+            )
+    result = SystemResult(
+        label, label, "server", info={"base_url": target.base_url, "model": target.model}
+    )
     for level in args.levels:
         if args.mode == "concurrency":
-            res, dur = await run_concurrency(target, workload.requests, int(level), f"{label} c={level:g}")
+            res, dur = await run_concurrency(
+                target, workload.requests, int(level), f"{label} c={level:g}"
+            )
         else:
-            res, dur = await run_poisson(target, workload.requests, level, args.seed, args.max_concurrency,
-                                         f"{label} rate={level:g}")
+            res, dur = await run_poisson(
+                target,
+                workload.requests,
+                level,
+                args.seed,
+                args.max_concurrency,
+                f"{label} rate={level:g}",
+            )
         result.runs.append(Run(level, summarize(res, dur)))
         m = result.runs[-1].metrics
-        tqdm.write(f"{label} {'c' if args.mode == 'concurrency' else 'rate'}={level:g}: "
-                   f"{m['output_throughput']:.1f} out tok/s, {m['errors']} errors", file=sys.stderr)
+        tqdm.write(
+            f"{label} {'c' if args.mode == 'concurrency' else 'rate'}={level:g}: "
+            f"{m['output_throughput']:.1f} out tok/s, {m['errors']} errors",
+            file=sys.stderr,
+        )
     async with make_client(1, 30.0, target.api_key) as client:
         stats = await engine_stats(client, target.base_url.rstrip("/"))
     if stats:
@@ -229,17 +334,32 @@ def run_baselines(
         if "hf-sequential" in wants_hf:
             res, dur = hf_baseline.run_static_batches(hf, reqs, 1, args.ignore_eos, "hf sequential")
             seq = Run(1, summarize(res, dur))
-            systems.append(SystemResult("hf-sequential", f"HF generate() sequential ({args.dtype})",
-                                        "sequential", [seq], dict(info)))
+            systems.append(
+                SystemResult(
+                    "hf-sequential",
+                    f"HF generate() sequential ({args.dtype})",
+                    "sequential",
+                    [seq],
+                    dict(info),
+                )
+            )
         if "hf-static" in wants_hf and args.mode == "concurrency":
-            static = SystemResult("hf-static", f"HF generate() static batching ({args.dtype})", "static-batching",
-                                  info={**info, "note": "batch = concurrency; E2EL = batch end; TTFT = first step"})
+            static = SystemResult(
+                "hf-static",
+                f"HF generate() static batching ({args.dtype})",
+                "static-batching",
+                info={**info, "note": "batch = concurrency; E2EL = batch end; TTFT = first step"},
+            )
             for c in [int(c) for c in args.levels]:
                 if c == 1:  # a static batch of one is the sequential baseline: run it only once
                     if seq is not None:
-                        static.runs.append(Run(1, seq.metrics, "same run as hf-sequential (batch of 1)"))
+                        static.runs.append(
+                            Run(1, seq.metrics, "same run as hf-sequential (batch of 1)")
+                        )
                     continue
-                res, dur = hf_baseline.run_static_batches(hf, reqs, c, args.ignore_eos, f"hf static b={c}")
+                res, dur = hf_baseline.run_static_batches(
+                    hf, reqs, c, args.ignore_eos, f"hf static b={c}"
+                )
                 static.runs.append(Run(c, summarize(res, dur)))
             if static.runs:
                 systems.append(static)
@@ -256,19 +376,33 @@ def run_baselines(
         else:
             runner = llamacpp_baseline.LlamaCppRunner(gguf, args.llama_threads, args.llama_n_ctx)
             res, dur = runner.run_sequential(reqs, args.ignore_eos)
-            systems.append(SystemResult(
-                "llama-cpp", llamacpp_baseline.LABEL, "sequential", [Run(1, summarize(res, dur))],
-                {"gguf": str(gguf), "n_threads": args.llama_threads, "load_s": runner.load_s,
-                 "version": runner.version,
-                 "note": "llama-cpp-python, one request at a time: a weaker peer than llama-server"}))
+            systems.append(
+                SystemResult(
+                    "llama-cpp",
+                    llamacpp_baseline.LABEL,
+                    "sequential",
+                    [Run(1, summarize(res, dur))],
+                    {
+                        "gguf": str(gguf),
+                        "n_threads": args.llama_threads,
+                        "load_s": runner.load_s,
+                        "version": runner.version,
+                        "note": "llama-cpp-python, one request at a time: a weaker peer than llama-server",
+                    },
+                )
+            )
             phases["llama_cpp"] = time.perf_counter() - t0
     return systems, skipped
 
 
 # ---- the run ---------------------------------------------------------------------------------------
 def machine_info() -> dict:
-    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-            "loadavg_1m_at_start": _loadavg()}
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_at_start": _loadavg(),
+    }
     for mod in ("torch", "transformers", "llama_cpp", "httpx"):
         try:
             info[mod] = __import__(mod).__version__
@@ -299,23 +433,36 @@ async def _measure(
 ) -> tuple[SystemResult | dict, str]:
     model = args.model_name or first_model_id(base_url, args.api_key)
     if args.beam_case:
-        res = await run_beam_case(base_url, model, args.beam_max_tokens, args.ignore_eos, api_key=args.api_key)
+        res = await run_beam_case(
+            base_url, model, args.beam_max_tokens, args.ignore_eos, api_key=args.api_key
+        )
         return res, model
-    target = CompletionTarget(base_url, model, args.ignore_eos, args.request_timeout, api_key=args.api_key)
+    target = CompletionTarget(
+        base_url, model, args.ignore_eos, args.request_timeout, api_key=args.api_key
+    )
     return await bench_server(args, target, workload, label), model
 
 
-def measure_server(args: argparse.Namespace, workload: Workload) -> tuple[SystemResult | dict, dict]:
+def measure_server(
+    args: argparse.Namespace, workload: Workload
+) -> tuple[SystemResult | dict, dict]:
     """Run the load (or the beam case) against the launched or given server."""
     if not args.launch_beamline:
         res, model = asyncio.run(_measure(args, args.base_url, workload))
         return res, {"base_url": args.base_url, "model_name": model}
     extra = ["--dtype", args.dtype, *shlex.split(args.beamline_args)]
-    with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (url, ready_s):
+    with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (
+        url,
+        ready_s,
+    ):
         print(f"beamline healthy after {ready_s:.1f} s at {url}", file=sys.stderr)
         res, model = asyncio.run(_measure(args, url, workload))
-    return res, {"base_url": url, "model_name": model, "launch_seconds_to_healthy": ready_s,
-                 "launch_args": extra}
+    return res, {
+        "base_url": url,
+        "model_name": model,
+        "launch_seconds_to_healthy": ready_s,
+        "launch_args": extra,
+    }
 
 
 def measure_variants(args: argparse.Namespace, workload: Workload) -> list[SystemResult]:
@@ -323,7 +470,10 @@ def measure_variants(args: argparse.Namespace, workload: Workload) -> list[Syste
     systems = []
     for label, flags in args.variants:
         extra = ["--dtype", args.dtype, *shlex.split(flags)]
-        with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (url, _):
+        with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (
+            url,
+            _,
+        ):
             result, _model = asyncio.run(_measure(args, url, workload, label))
         result.kind = "server-variant"
         result.info["launch_args"] = extra
@@ -341,8 +491,12 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"benchmarks.serve: could not start beamline: {exc}", file=sys.stderr)
         return 2
-    common = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-              "argv": sys.argv[1:] if argv is None else argv, "machine": machine, "server": server_info}
+    common = {
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "machine": machine,
+        "server": server_info,
+    }
     if args.beam_case:
         json_path, _ = result_paths(args, "beam")
         write_json({"benchmark": "beam-case", **common, "beam_case": measured}, json_path)
@@ -355,15 +509,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         variants = measure_variants(args, workload) if not args.beam_case else []
     except LaunchError as exc:
-        print(f"benchmarks.serve: could not start a --compare-beamline server: {exc}", file=sys.stderr)
+        print(
+            f"benchmarks.serve: could not start a --compare-beamline server: {exc}", file=sys.stderr
+        )
         return 2
     if variants:
         phases["compared_beamlines"] = time.time() - t0
     baselines, skipped = run_baselines(args, workload, phases)
     baselines = variants + baselines
     doc = {
-        "benchmark": "serve", **common,
-        "mode": args.mode, "short": args.short, "ignore_eos": args.ignore_eos,
+        "benchmark": "serve",
+        **common,
+        "mode": args.mode,
+        "short": args.short,
+        "ignore_eos": args.ignore_eos,
         "workload": workload.describe(),
         "system_under_test": ours.name,
         "systems": {s.name: s.to_dict() for s in [ours, *baselines]},

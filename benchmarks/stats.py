@@ -70,7 +70,9 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict:
     in_tokens = sum(r.prompt_tokens for r in ok)
     rate = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
     mismatches = sum(
-        1 for r in ok if r.expected_output_tokens is not None and r.output_tokens != r.expected_output_tokens
+        1
+        for r in ok
+        if r.expected_output_tokens is not None and r.output_tokens != r.expected_output_tokens
     )
     return {
         "num_requests": len(results),

@@ -119,7 +119,9 @@ def load_prompts(path: Path = BUNDLED_PROMPTS) -> list[str]:
         try:
             prompts.append(str(json.loads(line)["prompt"]))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'prompt' field") from exc
+            raise ValueError(
+                f"{path}:{lineno}: expected a JSON object with a 'prompt' field"
+            ) from exc
     if not prompts:
         raise ValueError(f"{path} has no prompts")
     return prompts

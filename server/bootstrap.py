@@ -44,7 +44,9 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         started = time.monotonic()
         runner.warm_up()
         log.info("decode step compiled in %.0f s", time.monotonic() - started)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=False
+    )
     name = config.served_model_name or served_model_name(config.model)
     metrics = Metrics(name)
     engine = Engine(

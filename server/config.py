@@ -15,8 +15,18 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
-          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+}
 
 
 def parse_size(value: int | str) -> int:
@@ -48,10 +58,12 @@ class ServerConfig(BaseModel):
         None, ge=1, description="torch intra-op threads for the CPU step; empty = one per core"
     )
     torch_compile: bool = Field(
-        False, description="torch.compile the decode step; compiled at start-up (minutes on a small CPU)"
+        False,
+        description="torch.compile the decode step; compiled at start-up (minutes on a small CPU)",
     )
     cuda_graphs: bool = Field(
-        True, description="with torch_compile on CUDA: pad decode steps to bucketed shapes, replay CUDA graphs"
+        True,
+        description="with torch_compile on CUDA: pad decode steps to bucketed shapes, replay CUDA graphs",
     )
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_memory: int = Field(1024**3, gt=0, description="bytes for the KV pool, e.g. 1GiB")
@@ -59,7 +71,9 @@ class ServerConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
     max_model_len: int | None = Field(None, ge=1)
-    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse KV blocks of shared prompt prefixes"
+    )
     max_n: int = Field(16, ge=1)
     max_best_of: int = Field(16, ge=1)
     max_num_beams: int = Field(16, ge=1)
@@ -67,7 +81,9 @@ class ServerConfig(BaseModel):
     max_stop_sequences: int = Field(16, ge=0)
     max_prompts_per_request: int = Field(16, ge=1)
     max_waiting_requests: int = Field(256, ge=0, description="queue beyond running; then 503")
-    drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get on SIGTERM")
+    drain_timeout: float = Field(
+        30.0, ge=0, description="seconds in-flight requests get on SIGTERM"
+    )
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
     api_key_file: Path | None = Field(None, description="file with one API key per line")
     public_paths: list[str] = Field(default_factory=lambda: ["/health", "/ready", "/metrics"])
@@ -93,14 +109,18 @@ class ServerConfig(BaseModel):
         # All rows of a request sample in the same step, so one step must hold the widest request.
         widest = max(self.max_n, self.max_best_of, self.max_num_beams)
         if self.max_num_batched_tokens < widest:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= the "
-                             f"widest request allowed ({widest}: max_n / max_best_of / max_num_beams)")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= the "
+                f"widest request allowed ({widest}: max_n / max_best_of / max_num_beams)"
+            )
         return self
 
     def all_api_keys(self) -> list[str]:
         keys = list(self.api_keys)
         if self.api_key_file is not None:
-            keys += [line.strip() for line in self.api_key_file.read_text().splitlines() if line.strip()]
+            keys += [
+                line.strip() for line in self.api_key_file.read_text().splitlines() if line.strip()
+            ]
         return keys
 
 
@@ -113,8 +133,11 @@ ENV_PREFIX = "BEAMLINE_"
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
     """BEAMLINE_<KEY>=value for every config key (BEAMLINE_CACHE_DIR is also the cache default)."""
-    return {k: environ[ENV_PREFIX + k.upper()] for k in ServerConfig.model_fields
-            if ENV_PREFIX + k.upper() in environ}
+    return {
+        k: environ[ENV_PREFIX + k.upper()]
+        for k in ServerConfig.model_fields
+        if ENV_PREFIX + k.upper() in environ
+    }
 
 
 def load_config(

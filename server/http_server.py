@@ -33,8 +33,11 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)  # Ctrl-C, or a second SIGTERM: uvicorn's usual way
             return
         self.state.draining = True
-        log.info("SIGTERM: draining %d in-flight request(s) for up to %.0fs",
-                 self.state.in_flight, self.drain_timeout)
+        log.info(
+            "SIGTERM: draining %d in-flight request(s) for up to %.0fs",
+            self.state.in_flight,
+            self.drain_timeout,
+        )
         asyncio.get_event_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
@@ -42,7 +45,9 @@ class DrainingServer(uvicorn.Server):
         while self.state.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.state.in_flight:
-            log.warning("drain timeout: %d request(s) still in flight are cut off", self.state.in_flight)
+            log.warning(
+                "drain timeout: %d request(s) still in flight are cut off", self.state.in_flight
+            )
         self.should_exit = True
 
 

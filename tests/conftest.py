@@ -25,7 +25,10 @@ torch.set_num_threads(2)
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
-    return {arch: build_tiny_model(root / arch, arch) for arch in ("llama", "gemma3", "qwen2", "mistral")}
+    return {
+        arch: build_tiny_model(root / arch, arch)
+        for arch in ("llama", "gemma3", "qwen2", "mistral")
+    }
 
 
 @pytest.fixture(scope="session")
@@ -43,12 +46,20 @@ def make_engine(
     enable_prefix_caching: bool = True,
 ) -> Engine:
     runner = ModelRunner(
-        model_dir, device=torch.device("cpu"), dtype=torch.float32,
-        block_size=block_size, num_blocks=num_blocks,
+        model_dir,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=block_size,
+        num_blocks=num_blocks,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return Engine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                  enable_prefix_caching=enable_prefix_caching)
+    return Engine(
+        runner,
+        tokenizer,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+    )
 
 
 def hf_reference(model_dir: Path) -> tuple[torch.nn.Module, object]:

@@ -59,7 +59,9 @@ class Collected:
         return self.outputs[-1].finish_reason if self.outputs else None
 
 
-def submit(engine: Engine, request_id: str, prompt_ids: list[int], params: DecodingParams) -> Collected:
+def submit(
+    engine: Engine, request_id: str, prompt_ids: list[int], params: DecodingParams
+) -> Collected:
     got = Collected()
     engine.submit(EngineRequest(request_id, list(prompt_ids), params, got.outputs.append))
     return got

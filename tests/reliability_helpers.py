@@ -16,7 +16,12 @@ from typing import Any
 import httpx
 
 # A fixed greedy request whose text must never change while a test throws garbage at the server.
-PROBE: dict[str, Any] = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+PROBE: dict[str, Any] = {
+    "prompt": "The quick brown fox",
+    "max_tokens": 8,
+    "temperature": 0,
+    "ignore_eos": True,
+}
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -31,7 +36,9 @@ def check_error_shape(response: httpx.Response) -> dict[str, Any]:
     try:
         body = response.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AssertionError(f"error body is not JSON: {response.status_code} {response.text[:300]!r}") from exc
+        raise AssertionError(
+            f"error body is not JSON: {response.status_code} {response.text[:300]!r}"
+        ) from exc
     assert isinstance(body, dict) and set(body) == {"error"}, body
     err = body["error"]
     assert isinstance(err, dict) and set(err) == ERROR_KEYS, err
@@ -101,7 +108,9 @@ def wait_until_idle_sync(client: httpx.Client, timeout: float = 2.0) -> dict[str
         time.sleep(0.02)
 
 
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
+_SAMPLE = re.compile(
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$"
+)
 
 
 def metric_sum(metrics_text: str, name: str, **labels: str) -> float:
@@ -130,4 +139,4 @@ def sse_payloads(body: str) -> list[str]:
     assert body.endswith("\n\n"), body[-200:]
     events = body.split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events), events[:3]
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]

@@ -19,7 +19,7 @@ def sse_events(body: str) -> list[str]:
     assert body.endswith("\n\n")
     events = body.split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events)
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 async def test_models_lists_the_served_model(client: httpx.AsyncClient) -> None:
@@ -42,21 +42,33 @@ async def test_health_is_ok_once_loaded_and_503_before(client: httpx.AsyncClient
 async def test_completion_body_usage_and_greedy_text(
     client: httpx.AsyncClient, tiny_ctx: ServingContext, llama_dir: Path
 ) -> None:
-    r = await client.post("/v1/completions", json={
-        "model": "tiny", "prompt": "Hello world", "max_tokens": 7, "temperature": 0, "ignore_eos": True,
-    })
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "Hello world",
+            "max_tokens": 7,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     (choice,) = body["choices"]
     assert choice["index"] == 0 and choice["finish_reason"] == "length"
     prompt_ids = tiny_ctx.tokenizer("Hello world").input_ids
-    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 7,
-                             "total_tokens": len(prompt_ids) + 7,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 7,
+        "total_tokens": len(prompt_ids) + 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     # Same text as the engine produces for the same request outside HTTP.
     engine = make_engine(llama_dir)
-    direct = engine_generate(engine, [prompt_ids], DecodingParams(max_tokens=7, temperature=0, ignore_eos=True))
+    direct = engine_generate(
+        engine, [prompt_ids], DecodingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    )
     assert choice["text"] == direct[0].text
 
 
@@ -67,9 +79,12 @@ async def test_streamed_completion_matches_non_streamed_and_ends_with_usage_and_
     plain = (await client.post("/v1/completions", json=req)).json()
     # The same prompt again: its full blocks (of 4 tokens) are served from the prefix cache.
     cached = {"cached_tokens": (plain["usage"]["prompt_tokens"] - 1) // 4 * 4}
-    assert cached["cached_tokens"] > 0 and plain["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    r = await client.post("/v1/completions", json={**req, "stream": True,
-                                                   "stream_options": {"include_usage": True}})
+    assert cached["cached_tokens"] > 0 and plain["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 0
+    }
+    r = await client.post(
+        "/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
@@ -91,9 +106,16 @@ async def test_stream_without_usage_has_no_usage_chunk(client: httpx.AsyncClient
 
 
 async def test_chat_completion_and_its_stream(client: httpx.AsyncClient) -> None:
-    req = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
-                                         {"role": "user", "content": "Hello!"}],
-           "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    req = {
+        "model": "tiny",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello!"},
+        ],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     r = await client.post("/v1/chat/completions", json=req)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -111,13 +133,19 @@ async def test_chat_completion_and_its_stream(client: httpx.AsyncClient) -> None
 
 async def test_several_prompts_give_one_choice_each_in_order(client: httpx.AsyncClient) -> None:
     prompts = ["Hello", "The quick", "Once upon"]
-    r = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 4, "temperature": 0,
-                                                   "ignore_eos": True})
+    r = await client.post(
+        "/v1/completions",
+        json={"prompt": prompts, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    )
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     for i, p in enumerate(prompts):
-        single = (await client.post("/v1/completions", json={"prompt": p, "max_tokens": 4,
-                                                             "temperature": 0, "ignore_eos": True})).json()
+        single = (
+            await client.post(
+                "/v1/completions",
+                json={"prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+            )
+        ).json()
         assert body["choices"][i]["text"] == single["choices"][0]["text"]
     assert body["usage"]["completion_tokens"] == 12
 
@@ -142,7 +170,12 @@ async def test_token_id_prompt_is_accepted(client: httpx.AsyncClient) -> None:
         ({"prompt": [10**6]}, 400, "prompt", "invalid_token"),
         ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens", "context_length_exceeded"),
         ({"prompt": "x", "n": 17}, 400, "n", "above_limit"),
-        ({"prompt": "x", "num_beams": 3, "num_beam_groups": 2}, 400, "num_beam_groups", "invalid_value"),
+        (
+            {"prompt": "x", "num_beams": 3, "num_beam_groups": 2},
+            400,
+            "num_beam_groups",
+            "invalid_value",
+        ),
         ({"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of", "invalid_value"),
         ({"prompt": "x", "logprobs": 21}, 400, "logprobs", "above_limit"),
         ({"prompt": "x", "stop": ["a"] * 17}, 400, "stop", "too_many_stop"),
@@ -167,18 +200,24 @@ async def test_bad_completion_requests_get_openai_shaped_4xx(
 
 async def test_malformed_json_and_non_object_bodies_are_400(client: httpx.AsyncClient) -> None:
     for raw in (b'{"prompt": "x",', b"[1, 2]", b"null", b"\xff\xfe"):
-        r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        r = await client.post(
+            "/v1/completions", content=raw, headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400, (raw, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-async def test_context_length_error_names_both_numbers(client: httpx.AsyncClient, tiny_ctx: ServingContext) -> None:
+async def test_context_length_error_names_both_numbers(
+    client: httpx.AsyncClient, tiny_ctx: ServingContext
+) -> None:
     r = await client.post("/v1/completions", json={"prompt": "Hello world", "max_tokens": 5000})
     msg = r.json()["error"]["message"]
     assert str(tiny_ctx.max_model_len) in msg and "5000" in msg
 
 
-async def test_unknown_route_and_wrong_method_keep_the_error_shape(client: httpx.AsyncClient) -> None:
+async def test_unknown_route_and_wrong_method_keep_the_error_shape(
+    client: httpx.AsyncClient,
+) -> None:
     r = await client.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = await client.get("/v1/completions")
@@ -188,8 +227,12 @@ async def test_unknown_route_and_wrong_method_keep_the_error_shape(client: httpx
 async def test_bad_chat_requests(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}
+    )
     assert r.status_code == 400
-    r = await client.post("/v1/chat/completions",
-                          json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    )
     assert r.status_code == 400

@@ -39,7 +39,9 @@ TOKEN_DELAY_S = 0.002
 
 
 # ---- a fake OpenAI-compatible streaming server -----------------------------------------------------
-def fake_openai_app(*, send_usage: bool = True, with_stats: bool = False, api_key: str | None = None) -> FastAPI:
+def fake_openai_app(
+    *, send_usage: bool = True, with_stats: bool = False, api_key: str | None = None
+) -> FastAPI:
     """Streams one chunk per token, then an empty finish chunk (as llama-server does), then usage.
 
     Prompt "FAIL" gets HTTP 500; prompt "BROKEN" gets an error payload in the middle of the stream.
@@ -56,6 +58,7 @@ def fake_openai_app(*, send_usage: bool = True, with_stats: bool = False, api_ke
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
 
     if with_stats:
+
         @app.get("/v1/engine/stats")
         async def engine_stats() -> dict:
             return stats
@@ -64,9 +67,13 @@ def fake_openai_app(*, send_usage: bool = True, with_stats: bool = False, api_ke
     async def completions(request: Request):
         body = await request.json()
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
-            return JSONResponse({"error": {"message": "bad key", "type": "authentication_error"}}, status_code=401)
+            return JSONResponse(
+                {"error": {"message": "bad key", "type": "authentication_error"}}, status_code=401
+            )
         if body["prompt"] == "FAIL":
-            return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+            return JSONResponse(
+                {"error": {"message": "boom", "type": "server_error"}}, status_code=500
+            )
         n = int(body["max_tokens"])
         beams = int(body.get("num_beams", 1))
 
@@ -85,15 +92,25 @@ def fake_openai_app(*, send_usage: bool = True, with_stats: bool = False, api_ke
             stats["kv_blocks_free"] = 100
             yield sse({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
             if send_usage and (body.get("stream_options") or {}).get("include_usage"):
-                yield sse({"choices": [], "usage": {"prompt_tokens": len(body["prompt"].split()),
-                                                    "completion_tokens": n, "total_tokens": 0}})
+                yield sse(
+                    {
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": len(body["prompt"].split()),
+                            "completion_tokens": n,
+                            "total_tokens": 0,
+                        },
+                    }
+                )
             yield sse("[DONE]")
 
         if not body.get("stream"):
             async for _ in events():
                 pass
-            return {"choices": [{"index": 0, "text": "t " * n, "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": n}}
+            return {
+                "choices": [{"index": 0, "text": "t " * n, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": n},
+            }
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
@@ -133,10 +150,26 @@ def test_tpot_is_decode_time_per_token_after_the_first() -> None:
 
 
 def test_summarize_pools_itl_and_counts_only_successes() -> None:
-    a = RequestResult(index=0, success=True, ttft=0.1, e2el=0.4, itl=[0.1, 0.2], output_tokens=3,
-                      prompt_tokens=5, expected_output_tokens=3)
-    b = RequestResult(index=1, success=True, ttft=0.3, e2el=0.6, itl=[0.3], output_tokens=2,
-                      prompt_tokens=7, expected_output_tokens=4)
+    a = RequestResult(
+        index=0,
+        success=True,
+        ttft=0.1,
+        e2el=0.4,
+        itl=[0.1, 0.2],
+        output_tokens=3,
+        prompt_tokens=5,
+        expected_output_tokens=3,
+    )
+    b = RequestResult(
+        index=1,
+        success=True,
+        ttft=0.3,
+        e2el=0.6,
+        itl=[0.3],
+        output_tokens=2,
+        prompt_tokens=7,
+        expected_output_tokens=4,
+    )
     bad = RequestResult(index=2, success=False, error="HTTP 500: boom", e2el=0.01)
     m = summarize([a, b, bad], duration_s=2.0)
     assert (m["completed"], m["errors"], m["error_examples"]) == (2, 1, ["HTTP 500: boom"])
@@ -145,7 +178,9 @@ def test_summarize_pools_itl_and_counts_only_successes() -> None:
     assert m["request_throughput"] == pytest.approx(1.0)
     assert m["output_throughput"] == pytest.approx(2.5)
     assert m["total_token_throughput"] == pytest.approx(8.5)
-    assert m["itl_ms"]["mean"] == pytest.approx(200.0) and m["itl_ms"]["p50"] == pytest.approx(200.0)
+    assert m["itl_ms"]["mean"] == pytest.approx(200.0) and m["itl_ms"]["p50"] == pytest.approx(
+        200.0
+    )
     assert m["ttft_ms"]["mean"] == pytest.approx(200.0)
     # TPOT: a -> (0.4 - 0.1) / 2 = 0.15, b -> (0.6 - 0.3) / 1 = 0.3
     assert m["tpot_ms"]["mean"] == pytest.approx(225.0)
@@ -156,10 +191,17 @@ def test_summarize_pools_itl_and_counts_only_successes() -> None:
 
 def test_ratios_are_oriented_so_above_one_means_ours_is_better() -> None:
     def metrics(tps: float, ttft: float, e2el: float) -> dict:
-        return {"completed": 1, "output_throughput": tps, "request_throughput": tps / 10,
-                "ttft_ms": {"p50": ttft}, "e2el_ms": {"mean": e2el}}
+        return {
+            "completed": 1,
+            "output_throughput": tps,
+            "request_throughput": tps / 10,
+            "ttft_ms": {"p50": ttft},
+            "e2el_ms": {"mean": e2el},
+        }
 
-    ours = SystemResult("ours", "ours", "server", [Run(1, metrics(20, 50, 100)), Run(4, metrics(60, 80, 200))])
+    ours = SystemResult(
+        "ours", "ours", "server", [Run(1, metrics(20, 50, 100)), Run(4, metrics(60, 80, 200))]
+    )
     static = SystemResult("static", "s", "static-batching", [Run(4, metrics(30, 160, 800))])
     seq = SystemResult("seq", "q", "sequential", [Run(1, metrics(10, 100, 400))])
     rows = {(r["x"], r["baseline"]): r for r in ratio_rows(ours, [static, seq])}
@@ -202,10 +244,15 @@ def test_shared_prefix_workload_prepends_one_seeded_system_prompt() -> None:
     assert with_shared_prefix(base, 0) == base
     with pytest.raises(ValueError):
         with_shared_prefix(base, -1)
-    args = serve.resolve_args(["--launch-beamline", "--short", "--shared-prefix-words", "30", "--seed", "1"])
+    args = serve.resolve_args(
+        ["--launch-beamline", "--short", "--shared-prefix-words", "30", "--seed", "1"]
+    )
     assert serve.build_workload(args) == with_shared_prefix(
-        synthetic_workload(8, (8, 48), args.output_tokens, seed=1), 30, seed=1)
-    assert not serve.peers_comparable(serve.resolve_args(["--launch-beamline", "--shared-prefix-words", "30"]))
+        synthetic_workload(8, (8, 48), args.output_tokens, seed=1), 30, seed=1
+    )
+    assert not serve.peers_comparable(
+        serve.resolve_args(["--launch-beamline", "--shared-prefix-words", "30"])
+    )
     assert serve.peers_comparable(serve.resolve_args(["--launch-beamline"]))
 
 
@@ -220,8 +267,11 @@ def test_bundled_prompt_set() -> None:
 def test_streamed_request_counts_tokens_and_times_them(fake_url: str) -> None:
     async def go() -> RequestResult:
         async with make_client(1, 30) as client:
-            return await stream_completion(client, CompletionTarget(fake_url, "fake-model"),
-                                           BenchRequest(0, "one two three", 6))
+            return await stream_completion(
+                client,
+                CompletionTarget(fake_url, "fake-model"),
+                BenchRequest(0, "one two three", 6),
+            )
 
     r = asyncio.run(go())
     assert r.success and r.error == ""
@@ -235,8 +285,9 @@ def test_streamed_request_counts_tokens_and_times_them(fake_url: str) -> None:
 def test_without_usage_the_token_count_is_the_number_of_text_chunks() -> None:
     async def go(url: str) -> RequestResult:
         async with make_client(1, 30) as client:
-            return await stream_completion(client, CompletionTarget(url, "m", ignore_eos=False),
-                                           BenchRequest(0, "x", 4))
+            return await stream_completion(
+                client, CompletionTarget(url, "m", ignore_eos=False), BenchRequest(0, "x", 4)
+            )
 
     with live_server(fake_openai_app(send_usage=False)) as url:
         r = asyncio.run(go(url))
@@ -244,9 +295,15 @@ def test_without_usage_the_token_count_is_the_number_of_text_chunks() -> None:
 
 
 def test_http_500_and_stream_errors_are_counted_not_raised(fake_url: str) -> None:
-    reqs = [BenchRequest(0, "fine", 3), BenchRequest(1, "FAIL", 3), BenchRequest(2, "BROKEN", 3),
-            BenchRequest(3, "fine too", 3)]
-    results, duration = asyncio.run(run_concurrency(CompletionTarget(fake_url, "fake-model"), reqs, 2))
+    reqs = [
+        BenchRequest(0, "fine", 3),
+        BenchRequest(1, "FAIL", 3),
+        BenchRequest(2, "BROKEN", 3),
+        BenchRequest(3, "fine too", 3),
+    ]
+    results, duration = asyncio.run(
+        run_concurrency(CompletionTarget(fake_url, "fake-model"), reqs, 2)
+    )
     assert [r.index for r in results] == [0, 1, 2, 3]
     assert [r.success for r in results] == [True, False, False, True]
     assert "HTTP 500" in results[1].error and "boom" in results[1].error
@@ -258,7 +315,9 @@ def test_http_500_and_stream_errors_are_counted_not_raised(fake_url: str) -> Non
 def test_api_key_is_sent_as_bearer_token() -> None:
     async def go(url: str, key: str | None) -> RequestResult:
         async with make_client(1, 30, key) as client:
-            return await stream_completion(client, CompletionTarget(url, "m"), BenchRequest(0, "x", 2))
+            return await stream_completion(
+                client, CompletionTarget(url, "m"), BenchRequest(0, "x", 2)
+            )
 
     with live_server(fake_openai_app(api_key="sekrit")) as url:
         assert asyncio.run(go(url, "sekrit")).success
@@ -269,8 +328,9 @@ def test_api_key_is_sent_as_bearer_token() -> None:
 def test_unreachable_server_is_an_error_result() -> None:
     async def go() -> RequestResult:
         async with make_client(1, 5) as client:
-            return await stream_completion(client, CompletionTarget("http://127.0.0.1:9", "m"),
-                                           BenchRequest(0, "x", 2))
+            return await stream_completion(
+                client, CompletionTarget("http://127.0.0.1:9", "m"), BenchRequest(0, "x", 2)
+            )
 
     r = asyncio.run(go())
     assert not r.success and r.error
@@ -278,23 +338,51 @@ def test_unreachable_server_is_an_error_result() -> None:
 
 def test_poisson_arrivals_are_seeded_and_run(fake_url: str) -> None:
     a = poisson_arrivals(20, rate=50.0, seed=1)
-    assert a == poisson_arrivals(20, rate=50.0, seed=1) and a != poisson_arrivals(20, rate=50.0, seed=2)
+    assert a == poisson_arrivals(20, rate=50.0, seed=1) and a != poisson_arrivals(
+        20, rate=50.0, seed=2
+    )
     assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:]))
     with pytest.raises(ValueError):
         poisson_arrivals(3, rate=0, seed=0)
     reqs = [BenchRequest(i, f"p {i}", 3) for i in range(6)]
-    results, _ = asyncio.run(run_poisson(CompletionTarget(fake_url, "fake-model"), reqs, 200.0, 0, max_concurrency=2))
+    results, _ = asyncio.run(
+        run_poisson(CompletionTarget(fake_url, "fake-model"), reqs, 200.0, 0, max_concurrency=2)
+    )
     assert all(r.success and r.output_tokens == 3 for r in results)
 
 
 def test_cli_writes_json_and_png_against_any_server(fake_url: str, tmp_path: Path, capsys) -> None:
-    code = serve.main(["--base-url", fake_url, "--baselines", "none", "--num-requests", "6",
-                       "--output-tokens", "2,5", "--concurrency", "1,3", "--out-dir", str(tmp_path),
-                       "--tag", "run"])
+    code = serve.main(
+        [
+            "--base-url",
+            fake_url,
+            "--baselines",
+            "none",
+            "--num-requests",
+            "6",
+            "--output-tokens",
+            "2,5",
+            "--concurrency",
+            "1,3",
+            "--out-dir",
+            str(tmp_path),
+            "--tag",
+            "run",
+        ]
+    )
     assert code == 0
     doc = json.loads((tmp_path / "run.json").read_text())
-    assert {"workload", "systems", "ratios", "recorded_peers", "skipped", "machine", "server", "mode",
-            "plot"} <= set(doc)
+    assert {
+        "workload",
+        "systems",
+        "ratios",
+        "recorded_peers",
+        "skipped",
+        "machine",
+        "server",
+        "mode",
+        "plot",
+    } <= set(doc)
     assert doc["server"]["model_name"] == "fake-model"
     runs = doc["systems"]["server"]["runs"]
     assert [r["x"] for r in runs] == [1, 3]
@@ -315,11 +403,37 @@ def test_cli_exit_code_reports_request_errors(tmp_path: Path) -> None:
     with live_server(fake_openai_app()) as url:
         prompts = tmp_path / "p.jsonl"
         prompts.write_text('{"prompt": "FAIL"}\n{"prompt": "ok"}\n')
-        code = serve.main(["--base-url", url, "--baselines", "none", "--dataset", "prompts",
-                           "--prompts-file", str(prompts), "--num-requests", "2", "--output-tokens", "2,2",
-                           "--concurrency", "2", "--warmup", "0", "--out-dir", str(tmp_path), "--tag", "e"])
+        code = serve.main(
+            [
+                "--base-url",
+                url,
+                "--baselines",
+                "none",
+                "--dataset",
+                "prompts",
+                "--prompts-file",
+                str(prompts),
+                "--num-requests",
+                "2",
+                "--output-tokens",
+                "2,2",
+                "--concurrency",
+                "2",
+                "--warmup",
+                "0",
+                "--out-dir",
+                str(tmp_path),
+                "--tag",
+                "e",
+            ]
+        )
     assert code == 1
-    assert json.loads((tmp_path / "e.json").read_text())["systems"]["server"]["runs"][0]["metrics"]["errors"] == 1
+    assert (
+        json.loads((tmp_path / "e.json").read_text())["systems"]["server"]["runs"][0]["metrics"][
+            "errors"
+        ]
+        == 1
+    )
 
 
 # ---- beam case -------------------------------------------------------------------------------------
@@ -334,10 +448,24 @@ def test_beam_case_without_engine_stats_still_times(fake_url: str) -> None:
 def test_beam_case_reads_kv_blocks_when_available(tmp_path: Path) -> None:
     with live_server(fake_openai_app(with_stats=True)) as url:
         res = asyncio.run(run_beam_case(url, "fake-model", max_tokens=20))
-        code = serve.main(["--base-url", url, "--beam-case", "--beam-max-tokens", "4",
-                           "--out-dir", str(tmp_path), "--tag", "beam"])
+        code = serve.main(
+            [
+                "--base-url",
+                url,
+                "--beam-case",
+                "--beam-max-tokens",
+                "4",
+                "--out-dir",
+                str(tmp_path),
+                "--tag",
+                "beam",
+            ]
+        )
     assert res["engine_stats_available"]
-    assert res["greedy"]["kv_blocks_used_peak_sampled"] == 2 and res["beam"]["kv_blocks_used_peak_sampled"] == 8
+    assert (
+        res["greedy"]["kv_blocks_used_peak_sampled"] == 2
+        and res["beam"]["kv_blocks_used_peak_sampled"] == 8
+    )
     assert res["kv_blocks_ratio"] == pytest.approx(4.0)
     assert code == 0 and "beam_case" in json.loads((tmp_path / "beam.json").read_text())
 
@@ -352,8 +480,11 @@ def test_launch_command_binds_loopback() -> None:
 # ---- HF baseline on a tiny model -------------------------------------------------------------------
 def test_hf_static_batching_times_each_request_and_pads_to_the_longest(llama_dir: Path) -> None:
     hf = load_hf_model(str(llama_dir), "float32")
-    reqs = [BenchRequest(0, "Hello world", 3), BenchRequest(1, "The quick brown fox jumps", 7),
-            BenchRequest(2, "Once upon a time", 5)]
+    reqs = [
+        BenchRequest(0, "Hello world", 3),
+        BenchRequest(1, "The quick brown fox jumps", 7),
+        BenchRequest(2, "Once upon a time", 5),
+    ]
     results, duration = run_static_batches(hf, reqs, batch_size=2)
     assert [r.output_tokens for r in results] == [3, 7, 5]  # own tokens only, not the batch's 7
     assert [len(r.itl) for r in results] == [2, 6, 4]
@@ -366,13 +497,22 @@ def test_hf_static_batching_times_each_request_and_pads_to_the_longest(llama_dir
 
 
 def test_compare_beamline_takes_label_equals_flags_and_needs_a_launched_server() -> None:
-    args = serve.resolve_args(["--launch-beamline", "--compare-beamline", "int8=--quantization int8",
-                               "--compare-beamline", "plain="])
+    args = serve.resolve_args(
+        [
+            "--launch-beamline",
+            "--compare-beamline",
+            "int8=--quantization int8",
+            "--compare-beamline",
+            "plain=",
+        ]
+    )
     assert args.variants == [("int8", "--quantization int8"), ("plain", "")]
     with pytest.raises(SystemExit):
         serve.resolve_args(["--launch-beamline", "--compare-beamline", "no-equals-sign"])
     with pytest.raises(SystemExit):
-        serve.resolve_args(["--base-url", "http://127.0.0.1:1", "--compare-beamline", "x=--dtype float32"])
+        serve.resolve_args(
+            ["--base-url", "http://127.0.0.1:1", "--compare-beamline", "x=--dtype float32"]
+        )
 
 
 def test_a_compared_beamline_is_matched_level_by_level() -> None:

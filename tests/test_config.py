@@ -22,8 +22,12 @@ def test_gpu_yaml_is_valid_and_flags_override_files() -> None:
 
 @pytest.mark.parametrize(
     ("content", "needle"),
-    [("max_num_seqs: 0\n", "max_num_seqs"), ("blok_size: 8\n", "blok_size"),
-     ("kv_cache_memory: lots\n", "kv_cache_memory"), ("- a\n- b\n", "mapping")],
+    [
+        ("max_num_seqs: 0\n", "max_num_seqs"),
+        ("blok_size: 8\n", "blok_size"),
+        ("kv_cache_memory: lots\n", "kv_cache_memory"),
+        ("- a\n- b\n", "mapping"),
+    ],
 )
 def test_a_wrong_key_or_value_names_it(tmp_path: Path, content: str, needle: str) -> None:
     path = tmp_path / "c.yaml"
@@ -37,7 +41,9 @@ def test_sizes() -> None:
     assert parse_size("2G") == 2 * 1000**3 and parse_size(123) == 123
 
 
-def test_cli_reports_a_bad_config_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_reports_a_bad_config_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("port: 99999\n")
     assert main(["serve", "--config", str(path)]) == 2

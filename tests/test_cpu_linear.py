@@ -25,7 +25,9 @@ def test_transposed_linear_matches_nn_linear(bias: bool, shape: tuple[int, ...])
 
 
 def test_transpose_linears_replaces_every_linear_and_nothing_else() -> None:
-    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)))
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.GELU(), nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    )
     x = torch.randn(2, 4)
     expected = model(x)
     assert transpose_linears(model) == 2
@@ -53,8 +55,14 @@ def test_native_layout_keeps_nn_linear_and_gives_the_same_tokens(llama_dir: Path
     from tests.engine_driver import generate
 
     fast = make_engine(llama_dir)
-    runner = ModelRunner(llama_dir, device=torch.device("cpu"), dtype=torch.float32, block_size=4,
-                         num_blocks=256, linear_layout="native")
+    runner = ModelRunner(
+        llama_dir,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=4,
+        num_blocks=256,
+        linear_layout="native",
+    )
     assert any(isinstance(m, nn.Linear) for m in runner.decoder.modules())
     assert not any(isinstance(m, TransposedLinear) for m in runner.decoder.modules())
     native = Engine(runner, fast.tokenizer)
@@ -64,5 +72,11 @@ def test_native_layout_keeps_nn_linear_and_gives_the_same_tokens(llama_dir: Path
         r.token_ids for r in generate(native, prompts, params)
     ]
     with pytest.raises(ValueError, match="linear_layout"):
-        ModelRunner(llama_dir, device=torch.device("cpu"), dtype=torch.float32, block_size=4,
-                    num_blocks=8, linear_layout="sideways")
+        ModelRunner(
+            llama_dir,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            block_size=4,
+            num_blocks=8,
+            linear_layout="sideways",
+        )

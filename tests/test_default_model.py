@@ -45,7 +45,7 @@ def expected(model_dir: Path) -> list[list[int]]:
         for p in PROMPTS:
             ids = tok(p, return_tensors="pt").input_ids
             gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-            out.append(gen[0, ids.shape[1]:].tolist())
+            out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
 
@@ -57,8 +57,9 @@ def ctx(model_dir: Path) -> Iterator[ServingContext]:
 
 
 async def complete(client: httpx.AsyncClient, prompt: str) -> str:
-    r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": NEW_TOKENS,
-                                                   "temperature": 0})
+    r = await client.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["text"]
     return text
@@ -70,8 +71,9 @@ async def test_greedy_through_the_server_equals_hf_generate_alone_and_8_concurre
     tok = ctx.tokenizer
     expected_text = [tok.decode(ids, skip_special_tokens=True) for ids in expected]
     app = create_app(ctx=ctx)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                 timeout=300) as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=300
+    ) as client:
         alone = [await complete(client, p) for p in PROMPTS[:3]]
         assert alone == expected_text[:3]
         before = ctx.engine.engine.stats.max_seqs_in_step
@@ -84,11 +86,17 @@ async def test_greedy_through_the_server_equals_hf_generate_alone_and_8_concurre
 
 async def test_chat_uses_the_gemma_turn_template(ctx: ServingContext) -> None:
     app = create_app(ctx=ctx)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                 timeout=300) as client:
-        r = await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 16, "temperature": 0})
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=300
+    ) as client:
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            },
+        )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["message"]["content"].strip()

@@ -65,8 +65,10 @@ def server(tiny_model_dirs: dict[str, Path]) -> Iterator[Server]:
 # ---- raw HTTP over asyncio streams ------------------------------------------------------------------
 def raw_request(path: str, body: dict[str, Any], host: str) -> tuple[bytes, bytes]:
     payload = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
     return head, payload
 
 
@@ -99,9 +101,19 @@ class Cut:
 
 
 def random_cut(rng: random.Random) -> Cut:
-    kind = rng.choice(["mid_body", "before_response", "after_headers", "after_events", "after_events",
-                       "after_delay"])
-    return Cut(kind, events=rng.randint(1, 30), delay=rng.uniform(0.0, 0.3), reset=rng.random() < 0.5)
+    kind = rng.choice(
+        [
+            "mid_body",
+            "before_response",
+            "after_headers",
+            "after_events",
+            "after_events",
+            "after_delay",
+        ]
+    )
+    return Cut(
+        kind, events=rng.randint(1, 30), delay=rng.uniform(0.0, 0.3), reset=rng.random() < 0.5
+    )
 
 
 def random_stream_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
@@ -110,7 +122,12 @@ def random_stream_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
     if style == "greedy":
         return "/v1/completions", {**common, "prompt": "Once upon a time", "temperature": 0}
     if style == "seeded":
-        return "/v1/completions", {**common, "prompt": "Hello world", "temperature": 0.8, "seed": rng.randint(0, 99)}
+        return "/v1/completions", {
+            **common,
+            "prompt": "Hello world",
+            "temperature": 0.8,
+            "seed": rng.randint(0, 99),
+        }
     if style == "n2":
         return "/v1/completions", {**common, "prompt": ["The quick", "A journey"], "n": 2}
     if style == "stop":
@@ -119,10 +136,15 @@ def random_stream_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
         return "/v1/completions", {**common, "prompt": "To be or not", "num_beams": 3, "n": 2}
     if style == "best_of":
         return "/v1/completions", {**common, "prompt": "The early bird", "best_of": 3, "seed": 1}
-    return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "Tell me a story"}]}
+    return "/v1/chat/completions", {
+        **common,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+    }
 
 
-def planned(request: tuple[str, dict[str, Any]], cut: Cut) -> tuple[tuple[str, dict[str, Any]], Cut]:
+def planned(
+    request: tuple[str, dict[str, Any]], cut: Cut
+) -> tuple[tuple[str, dict[str, Any]], Cut]:
     """Beams and best_of send their choices only at the end: cut those after a delay instead."""
     _, body = request
     if cut.kind == "after_events" and ("num_beams" in body or "best_of" in body):
@@ -194,13 +216,20 @@ async def test_a_hundred_streams_cut_at_random_points_leave_nothing_behind(
 
         # Every request that was streaming when cut was aborted (and nothing else was counted).
         aborted = aborted_total(await metrics_text(client)) - aborted_before
-        assert outcomes["after_events"] <= aborted <= outcomes.total() - outcomes["mid_body"], (aborted, outcomes)
+        assert outcomes["after_events"] <= aborted <= outcomes.total() - outcomes["mid_body"], (
+            aborted,
+            outcomes,
+        )
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         # The server still answers, with the same text as before the storm.
         r = await client.post("/v1/completions", json=PROBE)
         assert r.status_code == 200 and completion_text(r.json()) == probe_before
         await wait_until_idle(client, timeout=2.0)
-    unhandled = [rec.getMessage() for rec in caplog.records if rec.name.startswith(("server", "beamline", "uvicorn"))]
+    unhandled = [
+        rec.getMessage()
+        for rec in caplog.records
+        if rec.name.startswith(("server", "beamline", "uvicorn"))
+    ]
     assert not unhandled, f"server logged errors for client disconnects: {unhandled[:3]}"
     assert idle_after < 2.0
 
@@ -237,7 +266,9 @@ async def test_a_client_timeout_aborts_the_request(server: Server) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         await wait_until_idle(client, timeout=5)
         aborted_before = aborted_total(await metrics_text(client))
-        async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(30, read=0.5)) as impatient:
+        async with httpx.AsyncClient(
+            base_url=server.url, timeout=httpx.Timeout(30, read=0.5)
+        ) as impatient:
             with pytest.raises(httpx.ReadTimeout):
                 await impatient.post("/v1/completions", json=body)
         await wait_until_idle(client, timeout=2.0)
@@ -274,7 +305,9 @@ async def test_a_client_that_hangs_up_while_queued_is_dropped_from_the_queue(
 
 
 @pytest.mark.timeout(60)
-def test_a_consumer_whose_event_loop_is_gone_does_not_kill_the_engine(tiny_model_dirs: dict[str, Path]) -> None:
+def test_a_consumer_whose_event_loop_is_gone_does_not_kill_the_engine(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
     """A request whose consumer's event loop closed without aborting it (an embedding app or a test
     that ends early): outputs for it cannot be delivered, but the engine loop must survive them,
     drop the request and keep serving everyone else."""
@@ -293,7 +326,9 @@ def test_a_consumer_whose_event_loop_is_gone_does_not_kill_the_engine(tiny_model
 
         async def served() -> str:
             transport = httpx.ASGITransport(app=create_app(ctx=ctx), raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as client:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://t", timeout=30
+            ) as client:
                 r = await client.post("/v1/completions", json=PROBE)
                 assert r.status_code == 200, r.text
                 return completion_text(r.json())

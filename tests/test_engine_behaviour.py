@@ -15,10 +15,14 @@ def test_a_short_request_sent_while_a_long_one_decodes_finishes_first(llama_dir:
     engine = make_engine(llama_dir)
     prompt = engine.tokenizer("Hello world").input_ids
     finished: list[str] = []
-    long = submit(engine, "long", prompt, DecodingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    long = submit(
+        engine, "long", prompt, DecodingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    )
     for _ in range(5):
         engine.step()
-    short = submit(engine, "short", prompt, DecodingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    short = submit(
+        engine, "short", prompt, DecodingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    )
     while engine.step():
         for name, got in (("long", long), ("short", short)):
             if got.finished and name not in finished:
@@ -28,10 +32,15 @@ def test_a_short_request_sent_while_a_long_one_decodes_finishes_first(llama_dir:
     assert len(short.token_ids) == 3 and len(long.token_ids) == 40
 
 
-def test_preemption_under_a_tiny_pool_gives_the_same_tokens_as_a_large_pool(llama_dir: Path) -> None:
+def test_preemption_under_a_tiny_pool_gives_the_same_tokens_as_a_large_pool(
+    llama_dir: Path,
+) -> None:
     big = make_engine(llama_dir, num_blocks=512)
     tok = big.tokenizer
-    prompts = [tok(p).input_ids for p in ("The quick brown fox", "Hello world! How are you", "To be or not")]
+    prompts = [
+        tok(p).input_ids
+        for p in ("The quick brown fox", "Hello world! How are you", "To be or not")
+    ]
     expected = [r.token_ids for r in generate(big, prompts, GREEDY)]
     small = make_engine(llama_dir, num_blocks=18, block_size=4)  # 72 slots for ~100 tokens of need
     got = generate(small, prompts, GREEDY)
@@ -43,8 +52,12 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens_as_a_large_pool(llam
 def test_abort_frees_the_blocks_and_ends_the_stream(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
     prompt = engine.tokenizer("Once upon a time there was").input_ids
-    victim = submit(engine, "victim", prompt, DecodingParams(max_tokens=50, temperature=0, ignore_eos=True))
-    other = submit(engine, "other", prompt, DecodingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    victim = submit(
+        engine, "victim", prompt, DecodingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    )
+    other = submit(
+        engine, "other", prompt, DecodingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )
     for _ in range(3):
         engine.step()
     assert engine.pool.num_free < engine.pool.num_blocks
@@ -59,16 +72,22 @@ def test_abort_frees_the_blocks_and_ends_the_stream(llama_dir: Path) -> None:
 def test_seeded_sampling_is_identical_alone_and_inside_a_busy_batch(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
     tok = engine.tokenizer
-    seeded = DecodingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    seeded = DecodingParams(
+        max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
     prompt = tok("The early bird").input_ids
     alone = generate(engine, [prompt], seeded)[0].token_ids
     noise = DecodingParams(max_tokens=16, temperature=1.3, ignore_eos=True)
-    others = [submit(engine, f"n{i}", tok(f"Noise {i} and more").input_ids, noise) for i in range(5)]
+    others = [
+        submit(engine, f"n{i}", tok(f"Noise {i} and more").input_ids, noise) for i in range(5)
+    ]
     again = submit(engine, "seeded", prompt, seeded)
     run_to_completion(engine)
     assert again.token_ids == alone
     assert all(o.finished for o in others)
-    different_seed = generate(engine, [prompt], DecodingParams(max_tokens=16, seed=99, ignore_eos=True))
+    different_seed = generate(
+        engine, [prompt], DecodingParams(max_tokens=16, seed=99, ignore_eos=True)
+    )
     assert different_seed[0].token_ids != alone
 
 
@@ -80,15 +99,21 @@ def test_finish_reasons_length_stop_token_and_stop_string(llama_dir: Path) -> No
     assert free.finish_reason == "length" and len(free.token_ids) == 24
 
     stop_id = free.token_ids[5]
-    by_id = generate(engine, [prompt], DecodingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                                      stop_token_ids=(stop_id,)))[0]
+    by_id = generate(
+        engine,
+        [prompt],
+        DecodingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,)),
+    )[0]
     first = free.token_ids.index(stop_id)
     assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: first + 1]
 
     text = free.text
     needle = text[len(text) // 2 : len(text) // 2 + 2]
-    by_text = generate(engine, [prompt], DecodingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                                        stop=(needle,)))[0]
+    by_text = generate(
+        engine,
+        [prompt],
+        DecodingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(needle,)),
+    )[0]
     assert by_text.finish_reason == "stop"
     assert by_text.text == text[: text.index(needle)]  # the stop string itself is not returned
 
@@ -102,7 +127,9 @@ def test_eos_ends_a_sequence_unless_ignore_eos(llama_dir: Path) -> None:
     engine.eos_token_ids = frozenset({first, eos})
     stopped = generate(engine, [prompt], DecodingParams(max_tokens=8, temperature=0))[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == [first]
-    ignored = generate(engine, [prompt], DecodingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    ignored = generate(
+        engine, [prompt], DecodingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )[0]
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == 8
 
 

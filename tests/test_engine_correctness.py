@@ -49,7 +49,9 @@ def test_logits_of_a_mixed_prefill_and_decode_batch_match_transformers(
         for item in plan.items:
             item.seq.num_computed += item.num_new
         for row, item in enumerate(sampled):
-            torch.testing.assert_close(logits[row], reference_logits(item.seq), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                logits[row], reference_logits(item.seq), atol=1e-4, rtol=1e-4
+            )
             item.seq.token_ids.append(int(logits[row].argmax()))
             checked += 1
         if len(plan.items) > 1 and any(i.num_new > 1 for i in plan.items):
@@ -63,7 +65,7 @@ def hf_greedy(model_dir: Path, prompt: str, max_new_tokens: int) -> list[int]:
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = ref.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -86,7 +88,12 @@ def test_greedy_tokens_equal_hf_generate_alone_and_when_8_run_concurrently(
 
 @pytest.mark.parametrize(
     ("dtype", "quantization"),
-    [(torch.bfloat16, "none"), (torch.float32, "int8"), (torch.float32, "int8-weights"), (torch.float32, "w8a8")],
+    [
+        (torch.bfloat16, "none"),
+        (torch.float32, "int8"),
+        (torch.float32, "int8-weights"),
+        (torch.float32, "w8a8"),
+    ],
 )
 def test_fast_weight_formats_run_and_stay_close_to_fp32(
     llama_dir: Path, dtype: torch.dtype, quantization: str
@@ -94,8 +101,14 @@ def test_fast_weight_formats_run_and_stay_close_to_fp32(
     from server.engine.engine import Engine
     from server.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(llama_dir, device=torch.device("cpu"), dtype=dtype, block_size=4,
-                         num_blocks=128, quantization=quantization)
+    runner = ModelRunner(
+        llama_dir,
+        device=torch.device("cpu"),
+        dtype=dtype,
+        block_size=4,
+        num_blocks=128,
+        quantization=quantization,
+    )
     fast = Engine(runner, make_engine(llama_dir).tokenizer)
     exact = make_engine(llama_dir)
     prompts = [exact.tokenizer(p).input_ids for p in PROMPTS[:4]]

@@ -53,7 +53,9 @@ async def test_a_dead_loop_fails_pending_requests_and_health_turns_503(llama_dir
 
     app = create_app(ctx=ctx)
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
             engine.step = broken_step  # type: ignore[method-assign]
             r = await asyncio.wait_for(c.post("/v1/completions", json=BODY), timeout=10)
             assert r.status_code == 500
@@ -68,9 +70,13 @@ async def test_beyond_the_waiting_queue_requests_get_503_with_retry_after(llama_
     ctx = serving_context(make_engine(llama_dir), max_num_seqs=2, max_waiting_requests=2)
     app = create_app(ctx=ctx)
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
             body = {"prompt": "Hello", "max_tokens": 30, "ignore_eos": True}
-            replies = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(8)))
+            replies = await asyncio.gather(
+                *(c.post("/v1/completions", json=body) for _ in range(8))
+            )
         codes = sorted(r.status_code for r in replies)
         assert set(codes) == {200, 503} and codes.count(200) >= 4
         for r in replies:
@@ -80,7 +86,10 @@ async def test_beyond_the_waiting_queue_requests_get_503_with_retry_after(llama_
                 assert r.json()["usage"]["completion_tokens"] == 30
         assert ctx.metrics is not None
         text = ctx.metrics.render()[0].decode()
-        assert f'beamline:request_failure_total{{model_name="tiny",reason="overloaded",strategy="unknown"}} {codes.count(503)}.0' in text
+        assert (
+            f'beamline:request_failure_total{{model_name="tiny",reason="overloaded",strategy="unknown"}} {codes.count(503)}.0'
+            in text
+        )
     finally:
         ctx.engine.shutdown()
 

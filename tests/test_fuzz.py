@@ -41,14 +41,18 @@ FUZZ_SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,
     database=None,  # nothing written into the work tree
-    derandomize=not os.environ.get("BEAMLINE_FUZZ_RANDOM"),  # the same examples every run: CI reproduces
+    derandomize=not os.environ.get(
+        "BEAMLINE_FUZZ_RANDOM"
+    ),  # the same examples every run: CI reproduces
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
 # ---- strategies ------------------------------------------------------------------------------------
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
     max_leaves=8,
 )
 token_id = st.integers(0, VOCAB - 1)
@@ -69,9 +73,13 @@ def small_max_tokens(value: Any) -> bool:
         return True
 
 
-def sometimes(hostile: st.SearchStrategy[Any], valid: st.SearchStrategy[Any], one_in: int) -> st.SearchStrategy[Any]:
+def sometimes(
+    hostile: st.SearchStrategy[Any], valid: st.SearchStrategy[Any], one_in: int
+) -> st.SearchStrategy[Any]:
     """`valid`, except one time in `one_in` any value `hostile` draws."""
-    return st.integers(1, one_in).flatmap(lambda k: hostile if k == one_in else valid)  # 1 is minimal
+    return st.integers(1, one_in).flatmap(
+        lambda k: hostile if k == one_in else valid
+    )  # 1 is minimal
 
 
 def field(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -85,19 +93,44 @@ MAX_TOKENS = sometimes(json_values.filter(small_max_tokens), st.integers(1, 4), 
 STRATEGIES = st.one_of(
     st.fixed_dictionaries({"temperature": st.just(0)}),
     st.fixed_dictionaries({"temperature": st.floats(0.1, 2), "n": st.integers(1, 3)}),
-    st.fixed_dictionaries({"best_of": st.just(3), "n": st.integers(1, 3), "seed": st.integers(0, 2**63 - 1)}),
-    st.fixed_dictionaries({"num_beams": st.integers(2, 4), "n": st.integers(1, 2)},
-                          optional={"length_penalty": st.floats(-2, 2),
-                                    "early_stopping": st.sampled_from([True, False, "never"])}),
-    st.fixed_dictionaries({"num_beams": st.just(4), "num_beam_groups": st.just(2),
-                           "diversity_penalty": st.floats(0, 2)}),
-    st.fixed_dictionaries({"num_beams": st.just(2), "do_sample": st.just(True),
-                           "temperature": st.floats(0.5, 1.5)}),
+    st.fixed_dictionaries(
+        {"best_of": st.just(3), "n": st.integers(1, 3), "seed": st.integers(0, 2**63 - 1)}
+    ),
+    st.fixed_dictionaries(
+        {"num_beams": st.integers(2, 4), "n": st.integers(1, 2)},
+        optional={
+            "length_penalty": st.floats(-2, 2),
+            "early_stopping": st.sampled_from([True, False, "never"]),
+        },
+    ),
+    st.fixed_dictionaries(
+        {
+            "num_beams": st.just(4),
+            "num_beam_groups": st.just(2),
+            "diversity_penalty": st.floats(0, 2),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"num_beams": st.just(2), "do_sample": st.just(True), "temperature": st.floats(0.5, 1.5)}
+    ),
 )
-STRATEGY_FIELDS = ["temperature", "n", "best_of", "num_beams", "num_beam_groups", "diversity_penalty",
-                   "length_penalty", "early_stopping", "do_sample"]
-OVERRIDES = st.one_of(st.just({}), st.just({}), st.just({}),
-                      st.dictionaries(st.sampled_from(STRATEGY_FIELDS), json_values, min_size=1, max_size=2))
+STRATEGY_FIELDS = [
+    "temperature",
+    "n",
+    "best_of",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "length_penalty",
+    "early_stopping",
+    "do_sample",
+]
+OVERRIDES = st.one_of(
+    st.just({}),
+    st.just({}),
+    st.just({}),
+    st.dictionaries(st.sampled_from(STRATEGY_FIELDS), json_values, min_size=1, max_size=2),
+)
 SHARED_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "model": field(st.just("tiny")),
     "top_p": field(st.floats(0.01, 1)),
@@ -134,29 +167,56 @@ prompts = st.one_of(  # never empty: empty prompts are the hostile table's job
 )
 messages = st.lists(
     st.fixed_dictionaries(
-        {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool"]),
-         "content": st.one_of(short_text, st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                           "text": short_text}), max_size=2))},
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "developer", "tool"]),
+            "content": st.one_of(
+                short_text,
+                st.lists(
+                    st.fixed_dictionaries({"type": st.just("text"), "text": short_text}), max_size=2
+                ),
+            ),
+        },
     ),
-    min_size=1, max_size=4,
+    min_size=1,
+    max_size=4,
 )
-completion_bodies = with_strategy(st.fixed_dictionaries(
-    {"prompt": field(prompts), "max_tokens": MAX_TOKENS},
-    optional={**SHARED_FIELDS, "logprobs": field(st.integers(0, 5)), "echo": field(st.booleans())},
-))
-chat_bodies = with_strategy(st.fixed_dictionaries(
-    # chat's max_tokens defaults to the rest of the context: always bound it
-    {"messages": field(messages), "max_tokens": MAX_TOKENS},
-    optional={**SHARED_FIELDS, "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 5))},
-))
+completion_bodies = with_strategy(
+    st.fixed_dictionaries(
+        {"prompt": field(prompts), "max_tokens": MAX_TOKENS},
+        optional={
+            **SHARED_FIELDS,
+            "logprobs": field(st.integers(0, 5)),
+            "echo": field(st.booleans()),
+        },
+    )
+)
+chat_bodies = with_strategy(
+    st.fixed_dictionaries(
+        # chat's max_tokens defaults to the rest of the context: always bound it
+        {"messages": field(messages), "max_tokens": MAX_TOKENS},
+        optional={
+            **SHARED_FIELDS,
+            "logprobs": field(st.booleans()),
+            "top_logprobs": field(st.integers(0, 5)),
+        },
+    )
+)
 raw_bodies = st.one_of(
     st.binary(max_size=200),
     completion_bodies.map(lambda b: json.dumps(b).encode()).flatmap(
         lambda data: st.integers(0, len(data)).map(lambda cut: data[:cut])  # truncated JSON
     ),
 )
-content_types = st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded",
-                                 "multipart/form-data; boundary=b", "", "application/json; charset=utf-16"])
+content_types = st.sampled_from(
+    [
+        "application/json",
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=b",
+        "",
+        "application/json; charset=utf-16",
+    ]
+)
 
 
 # ---- checks -----------------------------------------------------------------------------------------
@@ -172,7 +232,9 @@ def expected_choices(body: dict[str, Any], chat: bool) -> int | None:
     if chat:
         return n
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and all(plain_int(t) is not None for t in prompt)):
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(plain_int(t) is not None for t in prompt)
+    ):
         return n
     if isinstance(prompt, list):
         return n * len(prompt)
@@ -208,7 +270,10 @@ def check_reply(body: dict[str, Any], r: httpx.Response, chat: bool) -> None:
 def fuzz_client(tiny_model_dirs: dict[str, Path]) -> Iterator[httpx.Client]:
     ctx = serving_context(make_engine(tiny_model_dirs["llama"]))
     try:
-        with live_server(create_app(ctx=ctx)) as url, httpx.Client(base_url=url, timeout=60) as client:
+        with (
+            live_server(create_app(ctx=ctx)) as url,
+            httpx.Client(base_url=url, timeout=60) as client,
+        ):
             yield client
     finally:
         ctx.engine.shutdown()
@@ -237,11 +302,17 @@ def assert_server_intact(client: httpx.Client, probe_text: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_fuzzed_completion_bodies_never_get_a_5xx(fuzz_client: httpx.Client, probe_text: str) -> None:
+def test_fuzzed_completion_bodies_never_get_a_5xx(
+    fuzz_client: httpx.Client, probe_text: str
+) -> None:
     @FUZZ_SETTINGS
     @given(body=completion_bodies)
     def run(body: dict[str, Any]) -> None:
-        r = fuzz_client.post("/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+        r = fuzz_client.post(
+            "/v1/completions",
+            content=json.dumps(body),
+            headers={"content-type": "application/json"},
+        )
         statuses[r.status_code] += 1
         check_reply(body, r, chat=False)
 
@@ -256,7 +327,11 @@ def test_fuzzed_chat_bodies_never_get_a_5xx(fuzz_client: httpx.Client, probe_tex
     @FUZZ_SETTINGS
     @given(body=chat_bodies)
     def run(body: dict[str, Any]) -> None:
-        r = fuzz_client.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+        r = fuzz_client.post(
+            "/v1/chat/completions",
+            content=json.dumps(body),
+            headers={"content-type": "application/json"},
+        )
         statuses[r.status_code] += 1
         check_reply(body, r, chat=True)
 
@@ -267,10 +342,15 @@ def test_fuzzed_chat_bodies_never_get_a_5xx(fuzz_client: httpx.Client, probe_tex
 
 
 @pytest.mark.timeout(300)
-def test_fuzzed_raw_bytes_get_a_4xx_in_the_error_shape(fuzz_client: httpx.Client, probe_text: str) -> None:
+def test_fuzzed_raw_bytes_get_a_4xx_in_the_error_shape(
+    fuzz_client: httpx.Client, probe_text: str
+) -> None:
     @settings(FUZZ_SETTINGS, max_examples=max(1, EXAMPLES // 2))
-    @given(data=raw_bodies, content_type=content_types, path=st.sampled_from(["/v1/completions",
-                                                                            "/v1/chat/completions"]))
+    @given(
+        data=raw_bodies,
+        content_type=content_types,
+        path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    )
     def run(data: bytes, content_type: str, path: str) -> None:
         headers = {"content-type": content_type} if content_type else {}
         r = fuzz_client.post(path, content=data, headers=headers)

@@ -27,9 +27,23 @@ BODY = {"prompt": "Hi", "max_tokens": 1}
 
 @pytest.mark.parametrize(
     "path",
-    ["/v1/completions", "//v1/completions", "/v1//completions", "/v1/completions/", "/v1/%63ompletions",
-     "/v1/completions%2F", "/V1/completions", "/v1/./completions", "/x/../v1/completions",
-     "/v1/chat/completions", "/v1/models", "/v1/engine/stats", "/docs", "/openapi.json", "/nothing"],
+    [
+        "/v1/completions",
+        "//v1/completions",
+        "/v1//completions",
+        "/v1/completions/",
+        "/v1/%63ompletions",
+        "/v1/completions%2F",
+        "/V1/completions",
+        "/v1/./completions",
+        "/x/../v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/engine/stats",
+        "/docs",
+        "/openapi.json",
+        "/nothing",
+    ],
 )
 async def test_every_spelling_of_a_route_needs_a_key(secured: httpx.AsyncClient, path: str) -> None:
     r = await secured.post(path, json=BODY) if "completions" in path else await secured.get(path)
@@ -38,8 +52,18 @@ async def test_every_spelling_of_a_route_needs_a_key(secured: httpx.AsyncClient,
     assert r.headers["www-authenticate"] == "Bearer"
 
 
-@pytest.mark.parametrize("header", ["Bearer wrong", "Bearer key-on", "Bearer key-one-x", "Basic key-one",
-                                    "key-one", "Bearer ", ""])
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Bearer wrong",
+        "Bearer key-on",
+        "Bearer key-one-x",
+        "Basic key-one",
+        "key-one",
+        "Bearer ",
+        "",
+    ],
+)
 async def test_wrong_keys_are_refused(secured: httpx.AsyncClient, header: str) -> None:
     r = await secured.post("/v1/completions", json=BODY, headers={"Authorization": header})
     assert r.status_code == 401
@@ -72,7 +96,9 @@ async def test_api_key_file(tiny_ctx: ServingContext, tmp_path) -> None:
     app = create_app(ctx=tiny_ctx, config=ServerConfig(api_key_file=path))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         assert (await c.get("/v1/models")).status_code == 401
-        assert (await c.get("/v1/models", headers={"Authorization": "Bearer from-file"})).status_code == 200
+        assert (
+            await c.get("/v1/models", headers={"Authorization": "Bearer from-file"})
+        ).status_code == 200
 
 
 async def test_bodies_over_the_limit_get_413(secured: httpx.AsyncClient) -> None:
@@ -86,11 +112,15 @@ async def test_bodies_over_the_limit_get_413(secured: httpx.AsyncClient) -> None
             yield b"x" * 500
         yield b'"}'
 
-    r = await secured.post("/v1/completions", content=chunks(), headers={**auth, "content-type": "application/json"})
+    r = await secured.post(
+        "/v1/completions", content=chunks(), headers={**auth, "content-type": "application/json"}
+    )
     assert r.status_code == 413
 
 
-async def test_cors_is_off_unless_configured(client: httpx.AsyncClient, tiny_ctx: ServingContext) -> None:
+async def test_cors_is_off_unless_configured(
+    client: httpx.AsyncClient, tiny_ctx: ServingContext
+) -> None:
     r = await client.get("/v1/models", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in r.headers
     app = create_app(ctx=tiny_ctx, config=ServerConfig(cors_allow_origins=["https://ok.example"]))

@@ -23,12 +23,16 @@ async def test_counters_and_histograms_match_the_requests_sent(
     lengths = [4, 5, 6]
     prompt_tokens = 0
     for n in lengths:
-        r = await client.post("/v1/completions", json={"prompt": "Hello world", "max_tokens": n,
-                                                       "temperature": 0, "ignore_eos": True})
+        r = await client.post(
+            "/v1/completions",
+            json={"prompt": "Hello world", "max_tokens": n, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200
         prompt_tokens += r.json()["usage"]["prompt_tokens"]
-    r = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0.8,
-                                                   "seed": 1, "ignore_eos": True})
+    r = await client.post(
+        "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 3, "temperature": 0.8, "seed": 1, "ignore_eos": True},
+    )
     prompt_tokens += r.json()["usage"]["prompt_tokens"]
     for bad in ({"prompt": "x", "temperature": -1}, {"prompt": ""}):
         assert (await client.post("/v1/completions", json=bad)).status_code == 400
@@ -37,9 +41,28 @@ async def test_counters_and_histograms_match_the_requests_sent(
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     m = samples(r.text)
     generated = sum(lengths) + 3
-    assert m[("beamline:request_success_total", (("finished_reason", "length"), ("strategy", "greedy")))] == 3
-    assert m[("beamline:request_success_total", (("finished_reason", "length"), ("strategy", "sample")))] == 1
-    assert m[("beamline:request_failure_total", (("reason", "validation"), ("strategy", "unknown")))] == 2
+    assert (
+        m[
+            (
+                "beamline:request_success_total",
+                (("finished_reason", "length"), ("strategy", "greedy")),
+            )
+        ]
+        == 3
+    )
+    assert (
+        m[
+            (
+                "beamline:request_success_total",
+                (("finished_reason", "length"), ("strategy", "sample")),
+            )
+        ]
+        == 1
+    )
+    assert (
+        m[("beamline:request_failure_total", (("reason", "validation"), ("strategy", "unknown")))]
+        == 2
+    )
     assert m[("beamline:generation_tokens_total", ())] == generated
     assert m[("beamline:prompt_tokens_total", ())] == prompt_tokens
     assert m[("beamline:e2e_request_latency_seconds_count", ())] == 4

@@ -21,23 +21,47 @@ def oa(tiny_ctx: ServingContext) -> Iterator[openai.OpenAI]:
 def test_openai_client_completions_chat_and_streams(oa: openai.OpenAI) -> None:
     assert [m.id for m in oa.models.list().data] == ["tiny"]
 
-    c = oa.completions.create(model="tiny", prompt="Hello world", max_tokens=5, temperature=0,
-                              extra_body={"ignore_eos": True})
+    c = oa.completions.create(
+        model="tiny",
+        prompt="Hello world",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 5
 
-    stream = oa.completions.create(model="tiny", prompt="Hello world", max_tokens=5, temperature=0,
-                                   stream=True, extra_body={"ignore_eos": True})
+    stream = oa.completions.create(
+        model="tiny",
+        prompt="Hello world",
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == c.choices[0].text
 
-    chat = oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                      max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    chat = oa.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].message.role == "assistant"
-    stream = oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                        max_tokens=4, temperature=0, stream=True,
-                                        stream_options={"include_usage": True},
-                                        extra_body={"ignore_eos": True})
+    stream = oa.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat.choices[0].message.content
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        == chat.choices[0].message.content
+    )
     assert chunks[-1].usage.completion_tokens == 4
 
 

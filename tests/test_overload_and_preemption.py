@@ -51,14 +51,19 @@ def streamed_completion_tokens(text: str) -> int:
 
 
 @pytest.mark.timeout(120)
-async def test_twice_the_queue_capacity_at_once_gives_only_200s_and_503s(small_queue_url: str) -> None:
+async def test_twice_the_queue_capacity_at_once_gives_only_200s_and_503s(
+    small_queue_url: str,
+) -> None:
     body = {"prompt": "Hello", "max_tokens": OVERLOAD_TOKENS, "ignore_eos": True, "temperature": 0}
     stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     limits = httpx.Limits(max_connections=4 * CAPACITY)
     async with httpx.AsyncClient(base_url=small_queue_url, timeout=60, limits=limits) as client:
-        replies = await asyncio.gather(*(
-            client.post("/v1/completions", json=stream_body if i % 2 else body) for i in range(2 * CAPACITY)
-        ))
+        replies = await asyncio.gather(
+            *(
+                client.post("/v1/completions", json=stream_body if i % 2 else body)
+                for i in range(2 * CAPACITY)
+            )
+        )
         codes = sorted(r.status_code for r in replies)
         assert set(codes) <= {200, 503}, codes
         assert codes.count(200) >= CAPACITY and codes.count(503) >= 1, codes
@@ -85,7 +90,9 @@ PREEMPTION_REQUESTS = [
 ]
 
 
-async def run_all(ctx: ServingContext, bodies: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
+async def run_all(
+    ctx: ServingContext, bodies: list[dict[str, Any]]
+) -> tuple[list[str], dict[str, Any]]:
     transport = httpx.ASGITransport(app=create_app(ctx=ctx), raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as client:
         replies = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
@@ -99,8 +106,10 @@ async def run_all(ctx: ServingContext, bodies: list[dict[str, Any]]) -> tuple[li
 @pytest.fixture
 def contexts(tiny_model_dirs: dict[str, Path]) -> Iterator[dict[str, ServingContext]]:
     llama = tiny_model_dirs["llama"]
-    made = {"large": serving_context(make_engine(llama, num_blocks=256)),
-            "tiny": serving_context(make_engine(llama, num_blocks=TINY_POOL_BLOCKS))}
+    made = {
+        "large": serving_context(make_engine(llama, num_blocks=256)),
+        "tiny": serving_context(make_engine(llama, num_blocks=TINY_POOL_BLOCKS)),
+    }
     yield made
     for ctx in made.values():
         ctx.engine.shutdown()
@@ -128,21 +137,31 @@ async def wedge_client(tiny_model_dirs: dict[str, Path]) -> AsyncIterator[httpx.
     ctx = serving_context(make_engine(tiny_model_dirs["llama"], num_blocks=WEDGE_POOL_BLOCKS))
     transport = httpx.ASGITransport(app=create_app(ctx=ctx), raise_app_exceptions=False)
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://t", timeout=60
+        ) as client:
             yield client
     finally:
         ctx.engine.shutdown()
 
 
-async def wait_for_preemption(client: httpx.AsyncClient, wide: asyncio.Future, timeout: float) -> None:
+async def wait_for_preemption(
+    client: httpx.AsyncClient, wide: asyncio.Future, timeout: float
+) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not wide.done() and (await engine_stats(client))["preemptions"] == 0 and loop.time() < deadline:
+    while (
+        not wide.done()
+        and (await engine_stats(client))["preemptions"] == 0
+        and loop.time() < deadline
+    ):
         await asyncio.sleep(0.02)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("width", [{"n": 4, "temperature": 1.0}, {"num_beams": 4}], ids=["n", "num_beams"])
+@pytest.mark.parametrize(
+    "width", [{"n": 4, "temperature": 1.0}, {"num_beams": 4}], ids=["n", "num_beams"]
+)
 async def test_a_request_whose_rows_never_fit_the_pool_is_answered_and_blocks_no_one(
     wedge_client: httpx.AsyncClient, width: dict[str, Any]
 ) -> None:
@@ -156,7 +175,9 @@ async def test_a_request_whose_rows_never_fit_the_pool_is_answered_and_blocks_no
     try:
         await wait_for_preemption(wedge_client, wide, timeout=WEDGE_BOUND_S)
         try:
-            r = await asyncio.wait_for(wedge_client.post("/v1/completions", json=small), WEDGE_BOUND_S)
+            r = await asyncio.wait_for(
+                wedge_client.post("/v1/completions", json=small), WEDGE_BOUND_S
+            )
             assert r.status_code == 200, r.text
         except asyncio.TimeoutError:
             problems.append(f"a 2-token request sent meanwhile got no answer in {WEDGE_BOUND_S}s")
@@ -184,7 +205,12 @@ async def test_chat_with_n_and_no_max_tokens_is_served_when_one_context_fits_the
     """Chat's max_tokens defaults to the rest of the context. On a pool that holds one full context
     (the usual sizing: max_model_len is capped at the pool), a plain OpenAI client asking for n=2
     without max_tokens should be served, with a default length that fits, not refused with "lower n"."""
-    body = {"messages": [{"role": "user", "content": "Hello!"}], "n": 2, "temperature": 1.0, "seed": 3}
+    body = {
+        "messages": [{"role": "user", "content": "Hello!"}],
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 3,
+    }
     r = await asyncio.wait_for(wedge_client.post("/v1/chat/completions", json=body), 30)
     assert r.status_code == 200, r.text
     reply = r.json()

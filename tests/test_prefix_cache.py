@@ -120,7 +120,9 @@ def test_attach_takes_the_longest_matching_run_and_leaves_a_token_to_compute() -
     assert cache.pool.num_cached == 3
     same = stub_rows([1, 2, 3, 4, 5, 6]).rows[0]  # all 3 blocks match, but the last token must run
     assert cache.attach(same) == 4 and same.block_table == first.block_table[:2]
-    fork = stub_rows([1, 2, 3, 9, 5, 6, 7]).rows[0]  # the 2nd block differs, so the 3rd cannot match
+    fork = stub_rows([1, 2, 3, 9, 5, 6, 7]).rows[
+        0
+    ]  # the 2nd block differs, so the 3rd cannot match
     assert cache.attach(fork) == 2 and fork.block_table == first.block_table[:1]
     assert cache.pool.ref_count(first.block_table[0]) == 3
     cache.detach(fork)
@@ -146,7 +148,10 @@ def test_a_second_request_computes_only_what_the_cache_lacks() -> None:
     a = stub_rows([1, 2, 3, 4, 5]).rows[0]
     sched.add(a.request)  # type: ignore[arg-type]
     plan = sched.schedule()
-    assert [i.num_new for i in plan.items] == [5] and (plan.cache_queries, plan.cache_hits) == (5, 0)
+    assert [i.num_new for i in plan.items] == [5] and (plan.cache_queries, plan.cache_hits) == (
+        5,
+        0,
+    )
     advance(plan, cache)
     sched.remove(a.request)  # type: ignore[arg-type]
     assert pool.num_free == 8 and pool.num_evictable == 2
@@ -181,11 +186,15 @@ def shared_prefix_prompts(seed: int, prefix_len: int, count: int) -> list[list[i
     """`count` prompts: one common prefix, then suffixes of 3-9 tokens that differ at once."""
     rng = random.Random(seed)
     prefix = [rng.randrange(5, 300) for _ in range(prefix_len)]
-    return [prefix + [300 + i] + [rng.randrange(5, 300) for _ in range(rng.randint(2, 8))]
-            for i in range(count)]
+    return [
+        prefix + [300 + i] + [rng.randrange(5, 300) for _ in range(rng.randint(2, 8))]
+        for i in range(count)
+    ]
 
 
-def run_warm_then_rest(engine: Engine, prompts: list[list[int]], params: DecodingParams) -> list[Collected]:
+def run_warm_then_rest(
+    engine: Engine, prompts: list[list[int]], params: DecodingParams
+) -> list[Collected]:
     """The first prompt alone (it fills the cache), then all the others in one batch."""
     first = generate(engine, prompts[:1], params)
     return first + generate(engine, prompts[1:], params)
@@ -240,7 +249,9 @@ def test_generated_tokens_are_cached_too(llama_dir: Path) -> None:
     prompt = shared_prefix_prompts(seed=3, prefix_len=12, count=1)[0][:12]  # 3 full blocks
     params = DecodingParams(max_tokens=10, temperature=0, ignore_eos=True)
     answer = generate(engine, [prompt], params)[0].token_ids
-    follow_up = prompt + answer + [42, 43]  # 24 tokens: 21 were computed (the last answer token not)
+    follow_up = (
+        prompt + answer + [42, 43]
+    )  # 24 tokens: 21 were computed (the last answer token not)
     generate(engine, [follow_up], GREEDY)
     assert engine.stats.prefix_cache_hits == 20
 
@@ -272,7 +283,9 @@ def test_evicted_blocks_are_never_served(llama_dir: Path) -> None:
     params = DecodingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
     def run(engine: Engine) -> list[dict]:
-        return [r.choices() for p in (first, filler, sibling) for r in generate(engine, [p], params)]
+        return [
+            r.choices() for p in (first, filler, sibling) for r in generate(engine, [p], params)
+        ]
 
     on = make_engine(llama_dir, num_blocks=16)
     assert run(on) == run(make_engine(llama_dir, num_blocks=16, enable_prefix_caching=False))
@@ -289,7 +302,8 @@ def test_a_block_matches_only_after_the_same_prefix(llama_dir: Path) -> None:
     on = make_engine(llama_dir)
     off = make_engine(llama_dir, enable_prefix_caching=False)
     assert tokens(generate(on, [a], GREEDY) + generate(on, [b], GREEDY)) == tokens(
-        generate(off, [a], GREEDY) + generate(off, [b], GREEDY))
+        generate(off, [a], GREEDY) + generate(off, [b], GREEDY)
+    )
     assert on.stats.prefix_cache_hits == 0 and on.pool.num_cached == 2 * ((14 + 7) // 4)
 
 
@@ -346,7 +360,9 @@ async def test_metrics_and_engine_stats_report_the_hits(llama_dir: Path, enabled
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     try:
         app = create_app(ctx=ctx)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
             texts, cached = [], []
             for _ in range(2):
                 r = await c.post("/v1/completions", json=body)

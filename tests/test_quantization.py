@@ -56,7 +56,9 @@ def test_int8_dynamic_linear_is_the_integer_product_of_its_quantized_operands() 
     x[1] *= 50  # one loud row must not coarsen the others' scales
     row_scales = x.abs().amax(dim=1, keepdim=True) / 127
     xq = torch.round(x / row_scales).clamp(-127, 127)
-    want = (xq.double() @ q.weight_int8.double().t()) * row_scales.double() * q.scales.double() + linear.bias.double()
+    want = (
+        xq.double() @ q.weight_int8.double().t()
+    ) * row_scales.double() * q.scales.double() + linear.bias.double()
     out = q(x)
     assert out.dtype == torch.float32
     assert torch.allclose(out.double(), want, rtol=1e-6, atol=1e-5)
@@ -88,7 +90,9 @@ def test_w8a8_keeps_down_proj_weight_only_and_quantizes_the_rest() -> None:
     assert isinstance(model["mlp"].up_proj, Int8DynamicLinear)
     assert isinstance(model["mlp"].down_proj, Int8WeightOnlyLinear)
     assert isinstance(model["odd"].up_proj, Int8DynamicLinear)
-    assert type(model["odd"].down_proj) is nn.Linear  # K = 24: the weight-only kernel can't, float stays
+    assert (
+        type(model["odd"].down_proj) is nn.Linear
+    )  # K = 24: the weight-only kernel can't, float stays
 
 
 def test_w8a8_is_cpu_only() -> None:

@@ -100,7 +100,10 @@ def test_rows_of_one_request_sample_in_the_same_step() -> None:
     rows = first.request.rows
     add(sched, first)
     plan = sched.schedule()
-    assert [(i.seq, i.num_new, i.samples) for i in plan.items] == [(rows[0], 5, False), (rows[1], 3, False)]
+    assert [(i.seq, i.num_new, i.samples) for i in plan.items] == [
+        (rows[0], 5, False),
+        (rows[1], 3, False),
+    ]
     advance(plan)
     plan = sched.schedule()  # 1 + 3 + 6 = 10 > 8 still: nobody may reach the end alone
     assert all(not i.samples for i in plan.items)

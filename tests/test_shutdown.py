@@ -39,7 +39,9 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode} while starting:\n{log.read_text()[-3000:]}")
+            pytest.fail(
+                f"server exited with {proc.returncode} while starting:\n{log.read_text()[-3000:]}"
+            )
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return
@@ -53,9 +55,24 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
 def served(llama_dir: Path, tmp_path: Path) -> Iterator[Served]:
     port = free_port()
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(llama_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--num-kv-blocks", "256", "--drain-timeout", str(DRAIN_TIMEOUT_S),
-           "--num-threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--model",
+        str(llama_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-kv-blocks",
+        "256",
+        "--drain-timeout",
+        str(DRAIN_TIMEOUT_S),
+        "--num-threads",
+        "1",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -69,7 +86,12 @@ def served(llama_dir: Path, tmp_path: Path) -> Iterator[Served]:
         proc.wait(timeout=30)
 
 
-BODY = {"prompt": "Once upon a time", "max_tokens": IN_FLIGHT_TOKENS, "ignore_eos": True, "temperature": 0}
+BODY = {
+    "prompt": "Once upon a time",
+    "max_tokens": IN_FLIGHT_TOKENS,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 def streamed_request(url: str, started: threading.Event) -> int:
@@ -117,13 +139,20 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: 
 
         ready = httpx.get(f"{url}/ready", timeout=5)
         assert_openai_error(ready, 503, code="draining")
-        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=5)
+        refused = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=5
+        )
         assert_openai_error(refused, 503, code="draining")
         assert refused.headers.get("retry-after")
-        refused_chat = httpx.post(f"{url}/v1/chat/completions", timeout=5,
-                                  json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        refused_chat = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=5,
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+        )
         assert_openai_error(refused_chat, 503, code="draining")
-        assert served.proc.poll() is None, "the server exited before its in-flight requests finished"
+        assert served.proc.poll() is None, (
+            "the server exited before its in-flight requests finished"
+        )
 
         # Every in-flight request runs to its last token.
         assert [f.result(timeout=DRAIN_TIMEOUT_S + 30) for f in streams] == [IN_FLIGHT_TOKENS] * 3
@@ -132,5 +161,7 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: 
     returncode = served.proc.wait(timeout=DRAIN_TIMEOUT_S + 30)
     log = served.log.read_text()
     assert returncode == 0, log[-3000:]
-    assert time.monotonic() - t_sigterm < DRAIN_TIMEOUT_S, "the drain waited for its timeout, not the requests"
+    assert time.monotonic() - t_sigterm < DRAIN_TIMEOUT_S, (
+        "the drain waited for its timeout, not the requests"
+    )
     assert "Traceback" not in log, log[-3000:]

@@ -55,8 +55,16 @@ SEED = 7
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "To be or not to be",
-           "Numbers: 0 1 2 3", "Unicode: café 東京 😀", "Code: def f(x): return", "All that glitters"]
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox",
+    "Once upon a time",
+    "To be or not to be",
+    "Numbers: 0 1 2 3",
+    "Unicode: café 東京 😀",
+    "Code: def f(x): return",
+    "All that glitters",
+]
 
 
 @dataclass
@@ -67,8 +75,22 @@ class Tally:
 
 def completion(rng: random.Random) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(1, 24)}
-    style = rng.choice(["greedy", "sample", "seeded", "n", "beam", "group_beam", "best_of", "logprobs",
-                        "stop", "multi", "ids", "penalties"])
+    style = rng.choice(
+        [
+            "greedy",
+            "sample",
+            "seeded",
+            "n",
+            "beam",
+            "group_beam",
+            "best_of",
+            "logprobs",
+            "stop",
+            "multi",
+            "ids",
+            "penalties",
+        ]
+    )
     extra: dict[str, Any] = {
         "greedy": {"temperature": 0},
         "sample": {"temperature": 0.9, "top_p": 0.9, "top_k": 20},
@@ -81,8 +103,13 @@ def completion(rng: random.Random) -> dict[str, Any]:
         "stop": {"stop": [" ", "e"], "temperature": 0.7},
         "multi": {"prompt": rng.sample(PROMPTS, 3)},
         "ids": {"prompt": [rng.randint(4, 383) for _ in range(rng.randint(1, 30))]},
-        "penalties": {"repetition_penalty": 1.3, "presence_penalty": 0.5, "no_repeat_ngram_size": 2,
-                      "min_tokens": 1, "logit_bias": {"10": -100}},
+        "penalties": {
+            "repetition_penalty": 1.3,
+            "presence_penalty": 0.5,
+            "no_repeat_ngram_size": 2,
+            "min_tokens": 1,
+            "logit_bias": {"10": -100},
+        },
     }[style]
     body.update(extra)
     if rng.random() < 0.4:
@@ -92,18 +119,32 @@ def completion(rng: random.Random) -> dict[str, Any]:
 
 
 def chat(rng: random.Random) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "max_tokens": rng.randint(1, 20),
-            "temperature": rng.choice([0, 0.7]), "stream": rng.random() < 0.5}
+    return {
+        "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+        "max_tokens": rng.randint(1, 20),
+        "temperature": rng.choice([0, 0.7]),
+        "stream": rng.random() < 0.5,
+    }
 
 
-BAD_BODIES = [{"prompt": "x", "temperature": -1}, {"prompt": ""}, {"prompt": [10**6]},
-              {"prompt": "x", "n": 10**6}, {"prompt": "x", "num_beams": 4, "num_beam_groups": 3}]
+BAD_BODIES = [
+    {"prompt": "x", "temperature": -1},
+    {"prompt": ""},
+    {"prompt": [10**6]},
+    {"prompt": "x", "n": 10**6},
+    {"prompt": "x", "num_beams": 4, "num_beam_groups": 3},
+]
 
 
 async def one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
     roll = rng.random()
     if roll < 0.08:  # a client that hangs up mid-stream
-        body = {"prompt": rng.choice(PROMPTS), "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body = {
+            "prompt": rng.choice(PROMPTS),
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with client.stream("POST", "/v1/completions", json=body) as r:
             async for _ in r.aiter_bytes():
                 break
@@ -117,7 +158,9 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tall
         else:
             tally.errors.append(f"bad body got {r.status_code}: {r.text[:200]}")
         return
-    path, body = ("/v1/chat/completions", chat(rng)) if roll < 0.3 else ("/v1/completions", completion(rng))
+    path, body = (
+        ("/v1/chat/completions", chat(rng)) if roll < 0.3 else ("/v1/completions", completion(rng))
+    )
     r = await client.post(path, json=body)
     if r.status_code != 200:
         tally.errors.append(f"{r.status_code} for {body}: {r.text[:200]}")
@@ -174,7 +217,9 @@ async def test_soak_mixed_traffic_zero_errors_flat_memory_full_pool(
     tally = Tally()
     samples: list[tuple[float, int]] = []
     deadline = time.monotonic() + SOAK_SECONDS
-    workers: list[Awaitable[None]] = [worker(url, SEED + i, deadline, tally) for i in range(WORKERS)]
+    workers: list[Awaitable[None]] = [
+        worker(url, SEED + i, deadline, tally) for i in range(WORKERS)
+    ]
     await asyncio.gather(*workers, sample_rss(deadline, samples))
 
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -183,12 +228,17 @@ async def test_soak_mixed_traffic_zero_errors_flat_memory_full_pool(
     growth, steady = memory_growth(samples)
     engine = ctx.engine.engine
     mib = [round(rss / 1024**2, 1) for rss in steady]
-    print(f"\nsoak {SOAK_SECONDS:.0f}s: {dict(tally.outcomes)}, errors {len(tally.errors)}, steps {stats['steps']}, "
-          f"preemptions {stats['preemptions']}, RSS after warm-up (MiB) {mib}, growth {growth / 1024**2:.1f} MiB")
+    print(
+        f"\nsoak {SOAK_SECONDS:.0f}s: {dict(tally.outcomes)}, errors {len(tally.errors)}, steps {stats['steps']}, "
+        f"preemptions {stats['preemptions']}, RSS after warm-up (MiB) {mib}, growth {growth / 1024**2:.1f} MiB"
+    )
 
     assert not tally.errors, tally.errors[:10]
     assert tally.outcomes["ok"] >= WORKERS * 10, tally.outcomes
-    assert aborted >= tally.outcomes["hung_up"], (aborted, tally.outcomes)  # each hang-up was aborted
+    assert aborted >= tally.outcomes["hung_up"], (
+        aborted,
+        tally.outcomes,
+    )  # each hang-up was aborted
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert not engine._requests and not engine._texts, "per-request state left in the engine"
     assert growth <= MEMORY_TOLERANCE, f"RSS grew {growth / 1024**2:.1f} MiB after warm-up: {mib}"

@@ -18,7 +18,9 @@ from tests.test_engine_correctness import PROMPTS, hf_greedy
 
 
 def test_decode_step_reads_each_rows_history_through_its_block_table() -> None:
-    step = DecodeStep.build([[7, 2], [5], [3, 9, 4]], [6, 2, 9], block_size=4, device=torch.device("cpu"))
+    step = DecodeStep.build(
+        [[7, 2], [5], [3, 9, 4]], [6, 2, 9], block_size=4, device=torch.device("cpu")
+    )
     # width 9 -> 3 blocks per row; missing blocks pad with block 0, which the mask hides
     assert step.gather.tolist() == [
         [28, 29, 30, 31, 8, 9, 10, 11, 0],
@@ -38,15 +40,24 @@ def test_decode_step_reads_each_rows_history_through_its_block_table() -> None:
     ]
 
 
-def compiled_engine(model_dir: Path, quantization: str = "none", compile_decode: bool = True) -> Engine:
-    runner = ModelRunner(model_dir, device=torch.device("cpu"), dtype=torch.float32, block_size=4,
-                         num_blocks=256, quantization=quantization, compile_decode=compile_decode)
+def compiled_engine(
+    model_dir: Path, quantization: str = "none", compile_decode: bool = True
+) -> Engine:
+    runner = ModelRunner(
+        model_dir,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=4,
+        num_blocks=256,
+        quantization=quantization,
+        compile_decode=compile_decode,
+    )
     runner.warm_up()
     return Engine(runner, make_engine(model_dir).tokenizer, max_num_batched_tokens=16)
 
 
 def test_compiled_decode_gives_hf_greedy_tokens_and_never_recompiles_after_warm_up(
-    tiny_model_dirs: dict[str, Path]
+    tiny_model_dirs: dict[str, Path],
 ) -> None:
     model_dir = tiny_model_dirs["gemma3"]  # sliding-window layers (window 6) and full layers
     expected = [hf_greedy(model_dir, p, 20) for p in PROMPTS]
@@ -99,8 +110,10 @@ def served_config(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> ServerCon
     return started[0]
 
 
-@pytest.mark.parametrize(("argv", "expected"), [([], False), (["--torch-compile"], True),
-                                                 (["--no-torch-compile"], False)])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [([], False), (["--torch-compile"], True), (["--no-torch-compile"], False)],
+)
 def test_torch_compile_is_off_by_default_and_the_flag_reaches_the_server_config(
     argv: list[str], expected: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -119,5 +132,11 @@ def test_without_a_compiler_torch_compile_stops_start_up_with_a_clear_message(
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ValueError, match="needs a C/C\\+\\+ compiler on PATH"):
-        ModelRunner(llama_dir, device=torch.device("cpu"), dtype=torch.float32, block_size=4,
-                    num_blocks=16, compile_decode=True)
+        ModelRunner(
+            llama_dir,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            block_size=4,
+            num_blocks=16,
+            compile_decode=True,
+        )

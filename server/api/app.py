@@ -40,7 +40,11 @@ class ServingState:
 
     def require(self) -> ServingContext:
         if self.ctx is None:
-            reason = f"model failed to load: {self.load_error}" if self.load_error else "model is loading"
+            reason = (
+                f"model failed to load: {self.load_error}"
+                if self.load_error
+                else "model is loading"
+            )
             raise APIError(503, reason, code="not_ready", headers={"Retry-After": "5"})
         if not self.ctx.engine.alive:
             raise APIError(503, "engine is not running", code="engine_dead")
@@ -49,16 +53,27 @@ class ServingState:
     def admit(self, ctx: ServingContext, count: int) -> None:
         """Reserve `count` engine requests or refuse with 503 (draining or queue full)."""
         if self.draining:
-            raise APIError(503, "server is shutting down", code="draining", headers={"Retry-After": "10"})
+            raise APIError(
+                503, "server is shutting down", code="draining", headers={"Retry-After": "10"}
+            )
         capacity = self.config.max_num_seqs + self.config.max_waiting_requests
         if count > capacity:  # could never be admitted: retrying would not help
-            raise APIError(400, f"this request has {count} prompts but the server admits at most "
-                           f"{capacity} at once", param="prompt", code="too_many_prompts")
+            raise APIError(
+                400,
+                f"this request has {count} prompts but the server admits at most "
+                f"{capacity} at once",
+                param="prompt",
+                code="too_many_prompts",
+            )
         if self.in_flight + count > capacity:
             if ctx.metrics is not None:
                 ctx.metrics.record_request_failure(reason="overloaded")
-            raise APIError(503, f"server is overloaded ({self.in_flight} requests in flight); retry later",
-                           code="overloaded", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"server is overloaded ({self.in_flight} requests in flight); retry later",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
         self.in_flight += count
 
     def release(self, count: int) -> None:
@@ -79,7 +94,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[object]) -> obj
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            return Response(status_code=499)  # nobody is listening; the status is for the access log
+            return Response(
+                status_code=499
+            )  # nobody is listening; the status is for the access log
         return task.result()
     finally:
         watcher.cancel()
@@ -117,8 +134,12 @@ def create_app(
     app.add_middleware(BodySizeGuard, max_bytes=config.max_body_bytes)
     app.add_middleware(APIKeyGuard, keys=config.all_api_keys(), public_paths=config.public_paths)
     if config.cors_allow_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=config.cors_allow_origins,
-                           allow_methods=["GET", "POST"], allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.cors_allow_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app, on_client_error=lambda: _count_validation_failure(state))
 
@@ -152,24 +173,26 @@ def create_app(
         c = state.require()
         e = c.engine.engine
         s = e.stats
-        return JSONResponse({
-            "num_requests_running": e.num_running,
-            "num_requests_waiting": e.num_waiting,
-            "num_requests_in_flight": state.in_flight,
-            "kv_blocks_total": e.pool.num_blocks,
-            "kv_blocks_free": e.pool.num_free,
-            "peak_kv_blocks_used": s.peak_blocks_used,
-            "steps": s.steps,
-            "tokens_computed": s.tokens_computed,
-            "tokens_generated": s.tokens_generated,
-            "max_seqs_in_step": s.max_seqs_in_step,
-            "preemptions": s.preemptions,
-            "prefix_caching": e.prefix_cache is not None,
-            "kv_blocks_cached": e.pool.num_cached,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "prefix_cache_hit_rate": s.prefix_cache_hits / max(1, s.prefix_cache_queries),
-        })
+        return JSONResponse(
+            {
+                "num_requests_running": e.num_running,
+                "num_requests_waiting": e.num_waiting,
+                "num_requests_in_flight": state.in_flight,
+                "kv_blocks_total": e.pool.num_blocks,
+                "kv_blocks_free": e.pool.num_free,
+                "peak_kv_blocks_used": s.peak_blocks_used,
+                "steps": s.steps,
+                "tokens_computed": s.tokens_computed,
+                "tokens_generated": s.tokens_generated,
+                "max_seqs_in_step": s.max_seqs_in_step,
+                "preemptions": s.preemptions,
+                "prefix_caching": e.prefix_cache is not None,
+                "kv_blocks_cached": e.pool.num_cached,
+                "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits,
+                "prefix_cache_hit_rate": s.prefix_cache_hits / max(1, s.prefix_cache_queries),
+            }
+        )
 
     async def run(
         request: Request,
@@ -193,8 +216,9 @@ def create_app(
             finally:
                 state.release(len(jobs))
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request):
@@ -202,10 +226,22 @@ def create_app(
         jobs = serving.completion_jobs(c, body)
         request_id = serving.new_request_id("completion")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = (lambda: serving.stream_events(
-            c, request_id, jobs, include_usage, serving.completion_chunk_maker(c, request_id)
-        )) if body.stream else None
-        return await run(request, c, jobs, stream, lambda: serving.completion_response(c, request_id, jobs))
+        stream = (
+            (
+                lambda: serving.stream_events(
+                    c,
+                    request_id,
+                    jobs,
+                    include_usage,
+                    serving.completion_chunk_maker(c, request_id),
+                )
+            )
+            if body.stream
+            else None
+        )
+        return await run(
+            request, c, jobs, stream, lambda: serving.completion_response(c, request_id, jobs)
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -214,9 +250,14 @@ def create_app(
         request_id = serving.new_request_id("chat")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         make, first = serving.chat_chunk_maker(c, request_id, body.n)
-        stream = (lambda: serving.stream_events(c, request_id, [job], include_usage, make, first)
-                  ) if body.stream else None
-        return await run(request, c, [job], stream, lambda: serving.chat_response(c, request_id, job))
+        stream = (
+            (lambda: serving.stream_events(c, request_id, [job], include_usage, make, first))
+            if body.stream
+            else None
+        )
+        return await run(
+            request, c, [job], stream, lambda: serving.chat_response(c, request_id, job)
+        )
 
     return app
 

@@ -36,7 +36,14 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -63,7 +70,9 @@ def _loc_to_param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def install_error_handlers(app: FastAPI, on_client_error: Callable[[], None] = lambda: None) -> None:
+def install_error_handlers(
+    app: FastAPI, on_client_error: Callable[[], None] = lambda: None
+) -> None:
     """Map every exception to the OpenAI error shape; `on_client_error` counts rejected requests."""
 
     @app.exception_handler(APIError)

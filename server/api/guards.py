@@ -27,12 +27,28 @@ def normalise_path(path: str) -> str:
     return "/" if norm in ("/", "//") else norm.rstrip("/").replace("//", "/")
 
 
-async def _send_error(send: Send, status: int, message: str, type_: str, code: str,
-                      headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()), *headers]})
+async def _send_error(
+    send: Send,
+    status: int,
+    message: str,
+    type_: str,
+    code: str,
+    headers: Iterable[tuple[bytes, bytes]] = (),
+) -> None:
+    body = json.dumps(
+        {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -59,9 +75,14 @@ class APIKeyGuard:
             return
         header = dict(scope["headers"]).get(b"authorization", b"")
         if not self._authorised(header):
-            await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
-                              "authentication_error", "invalid_api_key",
-                              [(b"www-authenticate", b"Bearer")])
+            await _send_error(
+                send,
+                401,
+                "missing or invalid API key (Authorization: Bearer <key>)",
+                "authentication_error",
+                "invalid_api_key",
+                [(b"www-authenticate", b"Bearer")],
+            )
             return
         await self.app(scope, receive, send)
 

@@ -8,7 +8,9 @@ from server.engine.request import TokenLogprob
 
 
 def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return tokenizer.decode(
+        [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
 
 
 def completion_logprobs(
@@ -44,8 +46,10 @@ def _chat_entry(tokenizer: PreTrainedTokenizerBase, token_id: int, logprob: floa
 def chat_logprobs(tokenizer: PreTrainedTokenizerBase, entries: list[TokenLogprob]) -> dict:
     return {
         "content": [
-            {**_chat_entry(tokenizer, e.token_id, e.logprob),
-             "top_logprobs": [_chat_entry(tokenizer, t, lp) for t, lp in e.top]}
+            {
+                **_chat_entry(tokenizer, e.token_id, e.logprob),
+                "top_logprobs": [_chat_entry(tokenizer, t, lp) for t, lp in e.top],
+            }
             for e in entries
         ]
     }

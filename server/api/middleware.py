@@ -36,15 +36,24 @@ class RequestIdMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode()),
+                ]
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
         finally:
             log.info(
-                "%s %s %d", scope["method"], scope["path"], status,
-                extra={"status": status, "duration_ms": round((time.monotonic() - start) * 1000, 1),
-                       "client": (scope.get("client") or ("-",))[0]},
+                "%s %s %d",
+                scope["method"],
+                scope["path"],
+                status,
+                extra={
+                    "status": status,
+                    "duration_ms": round((time.monotonic() - start) * 1000, 1),
+                    "client": (scope.get("client") or ("-",))[0],
+                },
             )
             request_id_var.reset(token)

@@ -52,8 +52,10 @@ class ServingContext:
 def check_model(ctx: ServingContext, model: str | None) -> None:
     if model is not None and model != ctx.model_name:
         raise APIError(
-            404, f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
-            param="model", code="model_not_found",
+            404,
+            f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
+            param="model",
+            code="model_not_found",
         )
 
 
@@ -62,13 +64,17 @@ def tokenize_prompt(ctx: ServingContext, prompt: str | list[int], param: str) ->
         try:
             ids = ctx.tokenizer(prompt, add_special_tokens=True).input_ids
         except Exception as exc:  # e.g. lone surrogates that cannot be encoded
-            raise bad_request(f"prompt cannot be tokenized: {exc}", param, "invalid_prompt") from exc
+            raise bad_request(
+                f"prompt cannot be tokenized: {exc}", param, "invalid_prompt"
+            ) from exc
     else:
         ids = list(prompt)
         bad = [t for t in ids if t >= ctx.vocab_size]
         if bad:
             raise bad_request(
-                f"token id {bad[0]} is out of the vocabulary (size {ctx.vocab_size})", param, "invalid_token"
+                f"token id {bad[0]} is out of the vocabulary (size {ctx.vocab_size})",
+                param,
+                "invalid_token",
             )
     if not ids or (isinstance(prompt, str) and not prompt):
         raise bad_request("prompt must not be empty", param, "empty_prompt")
@@ -76,8 +82,10 @@ def tokenize_prompt(ctx: ServingContext, prompt: str | list[int], param: str) ->
 
 
 def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in req.messages
+    ]
     if ctx.tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     try:
@@ -85,7 +93,9 @@ def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
     except Exception as exc:  # template errors (e.g. role order) are the client's to fix
-        raise bad_request(f"messages cannot be formatted by the chat template: {exc}", "messages") from exc
+        raise bad_request(
+            f"messages cannot be formatted by the chat template: {exc}", "messages"
+        ) from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
@@ -93,7 +103,8 @@ def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int
 
 # Request fields that pass to DecodingParams unchanged (the rest are converted below).
 _SHARED_FIELDS = tuple(
-    f.name for f in dataclasses.fields(DecodingParams)
+    f.name
+    for f in dataclasses.fields(DecodingParams)
     if f.name in SamplingFields.model_fields
     and f.name not in ("max_tokens", "stop", "stop_token_ids", "logit_bias", "bad_words_ids")
 )
@@ -115,12 +126,19 @@ def decoding_params(
     cfg = ctx.config
     stops = req.stop_list()
     if len(stops) > cfg.max_stop_sequences:
-        raise bad_request(f"at most {cfg.max_stop_sequences} stop sequences are allowed", "stop", "too_many_stop")
-    for name, value, cap in (("n", req.n, cfg.max_n), ("best_of", req.best_of or 1, cfg.max_best_of),
-                             ("num_beams", req.num_beams, cfg.max_num_beams),
-                             (logprobs_param, logprobs or 0, cfg.max_logprobs)):
+        raise bad_request(
+            f"at most {cfg.max_stop_sequences} stop sequences are allowed", "stop", "too_many_stop"
+        )
+    for name, value, cap in (
+        ("n", req.n, cfg.max_n),
+        ("best_of", req.best_of or 1, cfg.max_best_of),
+        ("num_beams", req.num_beams, cfg.max_num_beams),
+        (logprobs_param, logprobs or 0, cfg.max_logprobs),
+    ):
         if value > cap:
-            raise bad_request(f"{name} must be <= {cap} on this server (got {value})", name, "above_limit")
+            raise bad_request(
+                f"{name} must be <= {cap} on this server (got {value})", name, "above_limit"
+            )
     room = ctx.max_model_len - prompt_len
     if max_tokens is None:  # the rest of the context, within what the KV pool holds for every row
         pool = ctx.engine.engine.pool
@@ -144,31 +162,44 @@ def decoding_params(
         bad_words_ids=_bad_words(ctx, req),
         logprobs=logprobs,
     )
-    check_caps(params, max(cfg.max_n, cfg.max_best_of, cfg.max_num_beams), cfg.max_logprobs, ctx.vocab_size)
+    check_caps(
+        params, max(cfg.max_n, cfg.max_best_of, cfg.max_num_beams), cfg.max_logprobs, ctx.vocab_size
+    )
     _check_fits_kv_pool(ctx, params, prompt_len, max_tokens_param)
     return params
 
 
-def _check_fits_kv_pool(ctx: ServingContext, params: DecodingParams, prompt_len: int, max_tokens_param: str) -> None:
+def _check_fits_kv_pool(
+    ctx: ServingContext, params: DecodingParams, prompt_len: int, max_tokens_param: str
+) -> None:
     """Refuse what could never run: after a preemption every row recomputes its whole sequence
     without sharing, so the pool must hold width x (prompt + max_tokens) tokens; otherwise the
     request would be preempted forever and hold up everyone else."""
     pool = ctx.engine.engine.pool
     need = params.width * -(-(prompt_len + params.max_tokens) // pool.block_size)
     if need > pool.num_blocks:
-        param = {"beam": "num_beams", "group_beam": "num_beams", "beam_sample": "num_beams",
-                 "best_of": "best_of"}.get(params.strategy, "n" if params.width > 1 else max_tokens_param)
+        param = {
+            "beam": "num_beams",
+            "group_beam": "num_beams",
+            "beam_sample": "num_beams",
+            "best_of": "best_of",
+        }.get(params.strategy, "n" if params.width > 1 else max_tokens_param)
         raise bad_request(
             f"this request needs up to {need} KV-cache blocks ({params.width} rows x "
             f"{prompt_len + params.max_tokens} tokens) but the server's pool has {pool.num_blocks}; "
-            f"lower {param}", param, "kv_cache_too_small")
+            f"lower {param}",
+            param,
+            "kv_cache_too_small",
+        )
 
 
 def _bad_words(ctx: ServingContext, req: SamplingFields) -> tuple[tuple[int, ...], ...]:
     words = [tuple(ids) for ids in req.bad_words_ids or ()]
     for word in req.bad_words or ():
         if not word:
-            raise bad_request("bad_words must not contain empty strings", "bad_words", "invalid_value")
+            raise bad_request(
+                "bad_words must not contain empty strings", "bad_words", "invalid_value"
+            )
         words.append(tuple(ctx.tokenizer(word, add_special_tokens=False).input_ids))
     return tuple(words)
 
@@ -186,20 +217,27 @@ class Job:
 def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
     check_model(ctx, req.model)
     if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo",
-                          "unsupported")
+        raise bad_request(
+            "echo together with logprobs is not supported (no prompt logprobs)",
+            "echo",
+            "unsupported",
+        )
     prompts = req.prompts()
     if not prompts:
         raise bad_request("prompt must not be empty", "prompt", "empty_prompt")
     if len(prompts) > ctx.config.max_prompts_per_request:
         raise bad_request(
-            f"at most {ctx.config.max_prompts_per_request} prompts per request", "prompt", "too_many_prompts"
+            f"at most {ctx.config.max_prompts_per_request} prompts per request",
+            "prompt",
+            "too_many_prompts",
         )
     jobs = []
     for i, prompt in enumerate(prompts):
         ids = tokenize_prompt(ctx, prompt, "prompt")
         params = decoding_params(ctx, req, len(ids), req.max_tokens or 16, req.logprobs)
-        echo = (prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)) if req.echo else ""
+        echo = (
+            (prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)) if req.echo else ""
+        )
         jobs.append(Job(ids, params, i * req.n, echo))
     return jobs
 
@@ -210,17 +248,27 @@ def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     ids = chat_prompt_ids(ctx, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = decoding_params(ctx, req, len(ids), req.max_completion_tokens or req.max_tokens, logprobs,
-                             "top_logprobs",
-                             "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+    params = decoding_params(
+        ctx,
+        req,
+        len(ids),
+        req.max_completion_tokens or req.max_tokens,
+        logprobs,
+        "top_logprobs",
+        "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+    )
     return Job(ids, params, 0)
 
 
 # ---- running jobs --------------------------------------------------------------------------------
-async def run_jobs(ctx: ServingContext, request_id: str, jobs: list[Job]) -> AsyncIterator[tuple[Job, RequestOutput]]:
+async def run_jobs(
+    ctx: ServingContext, request_id: str, jobs: list[Job]
+) -> AsyncIterator[tuple[Job, RequestOutput]]:
     """Run every job concurrently in the engine and yield (job, output) as outputs arrive."""
     if len(jobs) == 1:
-        async with aclosing(ctx.engine.generate(request_id, jobs[0].prompt_ids, jobs[0].params)) as outs:
+        async with aclosing(
+            ctx.engine.generate(request_id, jobs[0].prompt_ids, jobs[0].params)
+        ) as outs:
             async for out in outs:
                 yield jobs[0], out
         return
@@ -228,7 +276,9 @@ async def run_jobs(ctx: ServingContext, request_id: str, jobs: list[Job]) -> Asy
 
     async def pump(i: int, job: Job) -> None:
         try:
-            async with aclosing(ctx.engine.generate(f"{request_id}-{i}", job.prompt_ids, job.params)) as outs:
+            async with aclosing(
+                ctx.engine.generate(f"{request_id}-{i}", job.prompt_ids, job.params)
+            ) as outs:
                 async for out in outs:
                     await queue.put((job, out))
         finally:
@@ -264,7 +314,9 @@ class ChoiceResult:
     completion_tokens: int = 0
 
 
-async def collect(ctx: ServingContext, request_id: str, jobs: list[Job]) -> tuple[dict[int, ChoiceResult], Usage]:
+async def collect(
+    ctx: ServingContext, request_id: str, jobs: list[Job]
+) -> tuple[dict[int, ChoiceResult], Usage]:
     """Run to completion: every choice's text, finish reason and logprobs, plus usage."""
     choices: dict[int, ChoiceResult] = {}
     cached: dict[int, int] = {}  # per job (engine request): its prompt tokens found in the cache
@@ -272,7 +324,9 @@ async def collect(ctx: ServingContext, request_id: str, jobs: list[Job]) -> tupl
         async for job, out in outputs:
             _raise_if_error(out)
             cached[id(job)] = out.cached_tokens
-            choice = choices.setdefault(job.choice_offset + out.index, ChoiceResult(text=job.echo_text))
+            choice = choices.setdefault(
+                job.choice_offset + out.index, ChoiceResult(text=job.echo_text)
+            )
             choice.text += out.text
             if out.logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + out.logprobs
@@ -293,15 +347,21 @@ def _usage(jobs: list[Job], completion_tokens: int, cached_tokens: int) -> Usage
     )
 
 
-async def completion_response(ctx: ServingContext, request_id: str, jobs: list[Job]) -> CompletionResponse:
+async def completion_response(
+    ctx: ServingContext, request_id: str, jobs: list[Job]
+) -> CompletionResponse:
     choices, usage = await collect(ctx, request_id, jobs)
     return CompletionResponse(
         id=request_id,
         model=ctx.model_name,
         choices=[
             CompletionChoice(
-                index=i, text=c.text, finish_reason=c.finish_reason,
-                logprobs=completion_logprobs(ctx.tokenizer, c.logprobs, 0) if c.logprobs is not None else None,
+                index=i,
+                text=c.text,
+                finish_reason=c.finish_reason,
+                logprobs=completion_logprobs(ctx.tokenizer, c.logprobs, 0)
+                if c.logprobs is not None
+                else None,
             )
             for i, c in sorted(choices.items())
         ],
@@ -316,8 +376,12 @@ async def chat_response(ctx: ServingContext, request_id: str, job: Job) -> ChatC
         model=ctx.model_name,
         choices=[
             ChatChoice(
-                index=i, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                logprobs=chat_logprobs(ctx.tokenizer, c.logprobs) if c.logprobs is not None else None,
+                index=i,
+                message=ChatMessageOut(content=c.text),
+                finish_reason=c.finish_reason,
+                logprobs=chat_logprobs(ctx.tokenizer, c.logprobs)
+                if c.logprobs is not None
+                else None,
             )
             for i, c in sorted(choices.items())
         ],
@@ -388,12 +452,22 @@ def completion_chunk_maker(
             text = prefix + out.text
             logprobs = None
             if out.logprobs is not None:
-                logprobs = completion_logprobs(ctx.tokenizer, out.logprobs, offsets.get(index, len(prefix)))
+                logprobs = completion_logprobs(
+                    ctx.tokenizer, out.logprobs, offsets.get(index, len(prefix))
+                )
             offsets[index] = offsets.get(index, 0) + len(text)
-            choices = [CompletionChoice(index=index, text=text, finish_reason=out.finish_reason,
-                                        logprobs=logprobs).model_dump()]
-        return {"id": request_id, "object": "text_completion", "created": created,
-                "model": ctx.model_name, "choices": choices}
+            choices = [
+                CompletionChoice(
+                    index=index, text=text, finish_reason=out.finish_reason, logprobs=logprobs
+                ).model_dump()
+            ]
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": choices,
+        }
 
     return make
 
@@ -404,8 +478,9 @@ def chat_chunk_maker(
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice]) -> dict:
-        body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
-                                   choices=choices).model_dump(exclude={"usage"})
+        body = ChatCompletionChunk(
+            id=request_id, created=created, model=ctx.model_name, choices=choices
+        ).model_dump(exclude={"usage"})
         for choice in body["choices"]:  # OpenAI sends only the delta fields that are set
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         return body
@@ -415,10 +490,18 @@ def chat_chunk_maker(
             return chunk([])
         delta = ChatDelta(content=out.text) if out.text else ChatDelta()
         logprobs = chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs is not None else None
-        return chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=out.finish_reason,
-                                      logprobs=logprobs)])
+        return chunk(
+            [
+                ChatChunkChoice(
+                    index=index, delta=delta, finish_reason=out.finish_reason, logprobs=logprobs
+                )
+            ]
+        )
 
-    first = [chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(n)]
+    first = [
+        chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        for i in range(n)
+    ]
     return make, first
 
 

@@ -71,7 +71,9 @@ class AsyncEngine:
             except RuntimeError:  # the consumer's event loop is gone: nobody will read this
                 self.engine.abort(request_id)
 
-        self.engine.submit(EngineRequest(request_id, prompt_ids, params, emit, trace_id=request_id_var.get()))
+        self.engine.submit(
+            EngineRequest(request_id, prompt_ids, params, emit, trace_id=request_id_var.get())
+        )
         done = False
         try:
             while not done:

@@ -68,12 +68,19 @@ class DecodeStep:
             lengths = list(lengths) + [1] * pad
         blocks_per_row = -(-width // block_size)
         clipped = [t[:blocks_per_row] for t in tables]
-        table = torch.tensor([r + [0] * (blocks_per_row - len(r)) for r in clipped], dtype=torch.long)
+        table = torch.tensor(
+            [r + [0] * (blocks_per_row - len(r)) for r in clipped], dtype=torch.long
+        )
         positions = torch.arange(width)
         gather = table[:, positions // block_size] * block_size + positions % block_size
         lens = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
         slot_mapping = gather.gather(1, lens - 1).squeeze(1)
-        return cls(slot_mapping.to(device), gather.to(device), lens.to(device), positions.unsqueeze(0).to(device))
+        return cls(
+            slot_mapping.to(device),
+            gather.to(device),
+            lens.to(device),
+            positions.unsqueeze(0).to(device),
+        )
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, L]: the keys each row sees (a few element-wise ops, recomputed per layer)."""
@@ -176,7 +183,9 @@ def _attend_decode(
 ) -> torch.Tensor:
     """q [B, H, D], one query per row, over each row's history in the pools -> [B, H, D]."""
     shape = (*step.gather.shape, *k_pool.shape[1:])
-    k = k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    k = (
+        k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
+    )  # [B, Hkv, L, D]
     v = v_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
     return _attend(q.unsqueeze(2), k, v, step.mask(window), scaling, softcap).squeeze(2)
 
@@ -208,17 +217,25 @@ def make_paged_attention(cache: PagedKVCache):
 
         q = query[0].transpose(0, 1)  # [T, H, D]
         if isinstance(ctx, DecodeStep):
-            return _attend_decode(q, k_pool, v_pool, ctx, sliding_window, scaling, softcap).unsqueeze(0), None
+            return _attend_decode(
+                q, k_pool, v_pool, ctx, sliding_window, scaling, softcap
+            ).unsqueeze(0), None
         out = torch.empty_like(q)
         if ctx.decode is not None:
             qd = q.index_select(0, ctx.decode_index)
-            out.index_copy_(0, ctx.decode_index, _attend_decode(qd, k_pool, v_pool, ctx.decode, sliding_window, scaling, softcap))
+            out.index_copy_(
+                0,
+                ctx.decode_index,
+                _attend_decode(qd, k_pool, v_pool, ctx.decode, sliding_window, scaling, softcap),
+            )
         for s in ctx.prefill:
             qp = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             kp = k_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
             vp = v_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)
             mask = ctx.prefill_mask(s, sliding_window)
-            out[s.start : s.start + s.num_new] = _attend(qp, kp, vp, mask, scaling, softcap)[0].transpose(0, 1)
+            out[s.start : s.start + s.num_new] = _attend(qp, kp, vp, mask, scaling, softcap)[
+                0
+            ].transpose(0, 1)
         return out.unsqueeze(0), None
 
     return paged_attention

@@ -25,7 +25,9 @@ class TransposedLinear(nn.Module):
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.weight_t = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> TransposedLinear:
@@ -33,7 +35,11 @@ class TransposedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = flat @ self.weight_t if self.bias is None else torch.addmm(self.bias, flat, self.weight_t)
+        out = (
+            flat @ self.weight_t
+            if self.bias is None
+            else torch.addmm(self.bias, flat, self.weight_t)
+        )
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -41,7 +47,9 @@ class TransposedLinear(nn.Module):
 
 
 def replace_linears(
-    module: nn.Module, build: Callable[[nn.Linear], nn.Module], where: Callable[[str, nn.Linear], bool]
+    module: nn.Module,
+    build: Callable[[nn.Linear], nn.Module],
+    where: Callable[[str, nn.Linear], bool],
 ) -> int:
     """Replace every plain `nn.Linear` under `module` for which `where(attribute name, layer)` holds
     by `build(layer)`, in place; returns the count. Each replaced layer's weight is released as it goes."""

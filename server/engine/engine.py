@@ -76,7 +76,9 @@ class Engine:
         self.metrics = metrics
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
         self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache)
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache
+        )
         capacity = runner.num_blocks * runner.block_size
         self.max_model_len = min(max_model_len or runner.max_position_embeddings, capacity)
         self.eos_token_ids = _eos_ids(runner.model, tokenizer)
@@ -137,7 +139,9 @@ class Engine:
     def _new_row(self, req: EngineRequest, token_ids: list[int], index: int) -> Sequence:
         seq = Sequence(req, token_ids, len(req.prompt_ids), index=index)
         if req.streams:
-            self._texts[seq.seq_id] = SequenceText(IncrementalDetokenizer(self.tokenizer, req.prompt_ids))
+            self._texts[seq.seq_id] = SequenceText(
+                IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+            )
         return seq
 
     def _abort(self, request_id: str) -> None:
@@ -206,7 +210,9 @@ class Engine:
                 beam_reqs.append(req)
                 beam_scores.append(scores[start : start + count])
                 if req.beam_logprobs is not None:
-                    self._remember_beam_logprobs(req, logits[start : start + count], beam_scores[-1])
+                    self._remember_beam_logprobs(
+                        req, logits[start : start + count], beam_scores[-1]
+                    )
             else:
                 for r in range(start, start + count):
                     self._append_token(rows[r], tokens[r], logprobs.get(r))
@@ -279,7 +285,9 @@ class Engine:
             delta = ""
             if ready > text.sent:
                 delta, text.sent = text.detok.text[text.sent : ready], ready
-            self._emit(req, seq.index, delta, [token], None, seq.num_output, seq.logprobs[-1:] or None)
+            self._emit(
+                req, seq.index, delta, [token], None, seq.num_output, seq.logprobs[-1:] or None
+            )
 
     @staticmethod
     def _hit_stop_string(text: SequenceText, stops: tuple[str, ...]) -> bool:
@@ -305,16 +313,29 @@ class Engine:
             last = not req.rows
             if last:
                 self._close_request(req, reason)
-            self._emit(req, seq.index, text.detok.text[text.sent :], seq.token_ids[-1:], reason,
-                       seq.num_output, seq.logprobs[-1:] or None, request_done=last)
+            self._emit(
+                req,
+                seq.index,
+                text.detok.text[text.sent :],
+                seq.token_ids[-1:],
+                reason,
+                seq.num_output,
+                seq.logprobs[-1:] or None,
+                request_done=last,
+            )
         elif not req.rows:  # best_of: every sample is in; return the n most likely
             self._close_request(req, reason)
             ranked = rank_samples([s.cumulative_logprob for s in req.done_rows], req.params.n)
             chosen = [req.done_rows[i] for i in ranked]
-            self._emit_final(req, [(s.output_ids, s.finish_reason or "length", s.logprobs or None) for s in chosen])
+            self._emit_final(
+                req,
+                [(s.output_ids, s.finish_reason or "length", s.logprobs or None) for s in chosen],
+            )
 
     # ---- beams ------------------------------------------------------------------------------------------
-    def _remember_beam_logprobs(self, req: EngineRequest, logits: torch.Tensor, scores: torch.Tensor) -> None:
+    def _remember_beam_logprobs(
+        self, req: EngineRequest, logits: torch.Tensor, scores: torch.Tensor
+    ) -> None:
         """Keep the raw logprob of every token a beam may append this step (which path wins is
         known only at the end), keyed by the generated tokens it would complete."""
         k = req.params.logprobs or 0
@@ -326,9 +347,13 @@ class Engine:
             prefix = tuple(seq.output_ids)
             alternatives = list(zip(top.indices[r].tolist(), top.values[r].tolist())) if top else []
             for token in {*likely[r], *req.finishing_ids}:
-                req.beam_logprobs[(*prefix, token)] = TokenLogprob(token, float(logp[r, token]), alternatives)  # type: ignore[index]
+                req.beam_logprobs[(*prefix, token)] = TokenLogprob(
+                    token, float(logp[r, token]), alternatives
+                )  # type: ignore[index]
 
-    def _beam_path_logprobs(self, req: EngineRequest, token_ids: list[int]) -> list[TokenLogprob] | None:
+    def _beam_path_logprobs(
+        self, req: EngineRequest, token_ids: list[int]
+    ) -> list[TokenLogprob] | None:
         entries = [req.beam_logprobs.get(tuple(token_ids[: i + 1])) for i in range(len(token_ids))]  # type: ignore[union-attr]
         return None if any(e is None for e in entries) else entries  # type: ignore[return-value]
 
@@ -352,7 +377,9 @@ class Engine:
         children = []
         for parent_index, token in zip(beam_step.parents, beam_step.tokens):
             parent = req.rows[parent_index]
-            child = Sequence(req, [*parent.token_ids, token], parent.prompt_len, index=len(children))
+            child = Sequence(
+                req, [*parent.token_ids, token], parent.prompt_len, index=len(children)
+            )
             child.num_computed = parent.num_computed
             child.block_table = self.pool.share(parent.block_table)
             child.block_hashes = list(parent.block_hashes)
@@ -368,14 +395,24 @@ class Engine:
     def _finish_beams(self, req: EngineRequest) -> None:
         hypotheses: list[Hypothesis] = req.search.finalize()  # type: ignore[union-attr]
         self._close_request(req, hypotheses[0].finish_reason if hypotheses else "length")
-        self._emit_final(req, [
-            (h.token_ids, h.finish_reason,
-             self._beam_path_logprobs(req, h.token_ids) if req.beam_logprobs is not None else None)
-            for h in hypotheses
-        ])
+        self._emit_final(
+            req,
+            [
+                (
+                    h.token_ids,
+                    h.finish_reason,
+                    self._beam_path_logprobs(req, h.token_ids)
+                    if req.beam_logprobs is not None
+                    else None,
+                )
+                for h in hypotheses
+            ],
+        )
 
     # ---- outputs and endings ------------------------------------------------------------------------
-    def _emit_final(self, req: EngineRequest, choices: list[tuple[list[int], str, list | None]]) -> None:
+    def _emit_final(
+        self, req: EngineRequest, choices: list[tuple[list[int], str, list | None]]
+    ) -> None:
         """Send whole choices at once (beams, best_of), applying stop strings to each."""
         for index, (token_ids, reason, logprobs) in enumerate(choices):
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -384,8 +421,16 @@ class Engine:
                 text, reason = text[:cut], "stop"
             elif token_ids and token_ids[-1] in req.finishing_ids:
                 reason = "stop"
-            self._emit(req, index, text, list(token_ids), reason, len(token_ids), logprobs,
-                       request_done=index == len(choices) - 1)
+            self._emit(
+                req,
+                index,
+                text,
+                list(token_ids),
+                reason,
+                len(token_ids),
+                logprobs,
+                request_done=index == len(choices) - 1,
+            )
 
     def _emit(
         self,
@@ -488,13 +533,21 @@ class Engine:
         queue_s = (req.first_scheduled_time or now) - req.arrival_time
         e2e_s = now - req.arrival_time
         log.info(
-            "request %s finished: %s", req.request_id, reason,
+            "request %s finished: %s",
+            req.request_id,
+            reason,
             extra={
-                "request_id": req.trace_id or req.request_id, "engine_request_id": req.request_id,
-                "finish_reason": reason, "strategy": strategy, "prompt_tokens": prompt_tokens,
-                "generation_tokens": generated, "cached_tokens": req.cached_tokens,
+                "request_id": req.trace_id or req.request_id,
+                "engine_request_id": req.request_id,
+                "finish_reason": reason,
+                "strategy": strategy,
+                "prompt_tokens": prompt_tokens,
+                "generation_tokens": generated,
+                "cached_tokens": req.cached_tokens,
                 "queue_s": round(queue_s, 4),
-                "ttft_s": round(req.first_token_time - req.arrival_time, 4) if req.first_token_time else None,
+                "ttft_s": round(req.first_token_time - req.arrival_time, 4)
+                if req.first_token_time
+                else None,
                 "e2e_s": round(e2e_s, 4),
             },
         )

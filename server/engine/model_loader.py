@@ -58,7 +58,9 @@ def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
             f"model {model!r} is neither a local model directory nor a .gguf file "
             "(beamline never downloads weights)"
         )
-    target = (cache_dir or default_cache_dir()) / f"{gguf.stem}-{_file_key(gguf)}-v{CONVERSION_VERSION}"
+    target = (
+        cache_dir or default_cache_dir()
+    ) / f"{gguf.stem}-{_file_key(gguf)}-v{CONVERSION_VERSION}"
     if not (target / "config.json").is_file():
         convert_gguf(gguf, target)
     return target
@@ -66,7 +68,9 @@ def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
 
 def _file_key(path: Path) -> str:
     st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
+        :12
+    ]
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
@@ -81,7 +85,9 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bar.update()
         bar.set_postfix_str("weights")
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype="float32"
+        )
         bar.update()
         bar.set_postfix_str("saving")
         # The weights are dequantized now: save them as a plain model, not as a GGUF-quantized one.

@@ -110,14 +110,18 @@ class ModelRunner:
         self.vocab_size = head.weight.shape[0]
         self.lm_head = quantized_lm_head(head, device, quantization)
         if linear_layout not in ("auto", "transposed", "native"):
-            raise ValueError(f"linear_layout must be auto, transposed or native; got {linear_layout!r}")
+            raise ValueError(
+                f"linear_layout must be auto, transposed or native; got {linear_layout!r}"
+            )
         if quantization == "int8-weights":
             quantize_decoder_weights(self.decoder, device)
         elif quantization == "w8a8":
             quantize_decoder_w8a8(self.decoder, device)
         if linear_layout == "transposed" or (linear_layout == "auto" and device.type == "cpu"):
             transpose_linears(self.decoder)
-            if self.lm_head is head:  # an untied copy: the embedding keeps the [vocab, hidden] table
+            if (
+                self.lm_head is head
+            ):  # an untied copy: the embedding keeps the [vocab, hidden] table
                 self.lm_head = TransposedLinear.from_linear(head)
         self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
@@ -140,9 +144,17 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.scratch_block = self.num_blocks if cuda_graphs else None
         self.kv_cache = PagedKVCache(
-            cfg.num_hidden_layers, self.num_blocks + int(cuda_graphs), block_size, kv_heads, head_dim, dtype, device
+            cfg.num_hidden_layers,
+            self.num_blocks + int(cuda_graphs),
+            block_size,
+            kv_heads,
+            head_dim,
+            dtype,
+            device,
         )
-        if cuda_graphs and device.type == "cuda":  # the graphs write the pools in place: fixed addresses
+        if (
+            cuda_graphs and device.type == "cuda"
+        ):  # the graphs write the pools in place: fixed addresses
             for pool in self.kv_cache.keys + self.kv_cache.values:
                 torch._dynamo.mark_static_address(pool)
         # One registered name per runner: the function is bound to this runner's own KV cache, so
@@ -152,7 +164,11 @@ class ModelRunner:
         self.model.set_attn_implementation(name)
         log.info(
             "model on %s (%s): %d KV blocks of %d tokens (%.1f MiB)",
-            device, dtype, self.num_blocks, block_size, self.num_blocks * per_block / 2**20,
+            device,
+            dtype,
+            self.num_blocks,
+            block_size,
+            self.num_blocks * per_block / 2**20,
         )
         # Decode-only steps (every sequence adds one token) may run through torch.compile: it fuses
         # the element-wise glue between the matmuls and drops most of the per-op dispatch cost, which
@@ -163,7 +179,9 @@ class ModelRunner:
         self.compile_decode = compile_decode
         mode = "reduce-overhead" if cuda_graphs and device.type == "cuda" else None
         self._run_decode = (
-            torch.compile(self._run_decoder, dynamic=True, mode=mode) if compile_decode else self._run_decoder
+            torch.compile(self._run_decoder, dynamic=True, mode=mode)
+            if compile_decode
+            else self._run_decoder
         )
 
     @property
@@ -200,17 +218,23 @@ class ModelRunner:
         the slots of block 0 (nothing is cached yet, and every block is written before it is read)."""
         if not self.compile_decode:
             return
-        for positions in ([1], [1, 2]) * (3 if self.cuda_graphs else 1):  # CUDA graphs record on a later call
+        for positions in ([1], [1, 2]) * (
+            3 if self.cuda_graphs else 1
+        ):  # CUDA graphs record on a later call
             self._decode_step([[0]] * len(positions), [0] * len(positions), positions)
 
     def _execute_decode(self, items: list[WorkItem]) -> torch.Tensor:
         """A step of one new token per sequence: every row samples, no packing indices needed."""
         seqs = [item.seq for item in items]
         return self._decode_step(
-            [s.block_table for s in seqs], [s.token_ids[s.num_computed] for s in seqs], [s.num_computed for s in seqs]
+            [s.block_table for s in seqs],
+            [s.token_ids[s.num_computed] for s in seqs],
+            [s.num_computed for s in seqs],
         )
 
-    def _decode_step(self, tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def _decode_step(
+        self, tables: list[list[int]], tokens: list[int], positions: list[int]
+    ) -> torch.Tensor:
         """Logits [B, V] of B rows that each add `tokens[b]` at `positions[b]`. With cuda_graphs the
         batch is padded to a bucketed row count and context width, and the padding cut off again."""
         n = len(tokens)
@@ -218,8 +242,13 @@ class ModelRunner:
         if self.cuda_graphs:
             rows = shape_bucket(n, 1)
             ctx = DecodeStep.build(
-                tables, lengths, self.block_size, self.device, rows=rows,
-                width=shape_bucket(max(lengths), 4 * self.block_size), scratch_block=self.scratch_block,
+                tables,
+                lengths,
+                self.block_size,
+                self.device,
+                rows=rows,
+                width=shape_bucket(max(lengths), 4 * self.block_size),
+                scratch_block=self.scratch_block,
             )
             tokens, positions = tokens + [0] * (rows - n), positions + [0] * (rows - n)
         else:
@@ -231,14 +260,23 @@ class ModelRunner:
     def _decode_batch(self, seqs: list[Sequence]) -> DecodeStep:
         """The attention inputs of sequences that each add their next token."""
         return DecodeStep.build(
-            [s.block_table for s in seqs], [s.num_computed + 1 for s in seqs], self.block_size, self.device
+            [s.block_table for s in seqs],
+            [s.num_computed + 1 for s in seqs],
+            self.block_size,
+            self.device,
         )
 
-    def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep) -> torch.Tensor:
-        if self.compile_decode:  # the context width (>= 2) varies every step: never specialize on it
+    def _decode(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep
+    ) -> torch.Tensor:
+        if (
+            self.compile_decode
+        ):  # the context width (>= 2) varies every step: never specialize on it
             torch._dynamo.mark_dynamic(ctx.gather, 1)
             torch._dynamo.mark_dynamic(ctx.positions, 1)
-            if self.cuda_graphs and self.device.type == "cuda":  # each call is a new step: replay may reuse outputs
+            if (
+                self.cuda_graphs and self.device.type == "cuda"
+            ):  # each call is a new step: replay may reuse outputs
                 torch.compiler.cudagraph_mark_step_begin()
         return self._run_decode(input_ids, position_ids, ctx)
 
@@ -272,7 +310,9 @@ class ModelRunner:
         ctx = StepContext(
             slot_mapping=torch.cat(slots).to(self.device),
             decode=self._decode_batch([s for _, s in decode_rows]) if decode_rows else None,
-            decode_index=torch.tensor([i for i, _ in decode_rows], device=self.device) if decode_rows else None,
+            decode_index=torch.tensor([i for i, _ in decode_rows], device=self.device)
+            if decode_rows
+            else None,
             prefill=prefill,
             device=self.device,
         )

@@ -62,7 +62,9 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         q, scales = quantize_per_channel(weight)
         self.register_buffer("weight_int8", q)
         self.register_buffer("scales", scales.to(torch.bfloat16))
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = (
+            None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -89,7 +91,9 @@ class Int8DynamicLinear(torch.nn.Module):
         q, scales = quantize_per_channel(weight)
         self.register_buffer("weight_int8", q)
         self.register_buffer("scales", scales)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = (
+            None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
@@ -133,11 +137,15 @@ def quantize_decoder_w8a8(decoder: torch.nn.Module, device: torch.device) -> int
     dynamic = replace_linears(
         decoder,
         lambda layer: Int8DynamicLinear(layer.weight, layer.bias),
-        lambda name, _layer: name not in WEIGHT_ONLY_UNDER_W8A8,  # an unsupported down_proj stays float
+        lambda name, _layer: (
+            name not in WEIGHT_ONLY_UNDER_W8A8
+        ),  # an unsupported down_proj stays float
     )
     log.info(
         "decoder quantized: %d linear layers with int8 weights and int8 per-token activations, %d weight-only (%s)",
-        dynamic, weight_only, ", ".join(sorted(WEIGHT_ONLY_UNDER_W8A8)),
+        dynamic,
+        weight_only,
+        ", ".join(sorted(WEIGHT_ONLY_UNDER_W8A8)),
     )
     return dynamic + weight_only
 
@@ -149,7 +157,9 @@ def quantized_lm_head(head: torch.nn.Module, device: torch.device, method: str) 
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
     if device.type != "cpu":
-        raise ValueError("int8 dynamic quantization runs on the CPU only; use --dtype bfloat16 on CUDA")
+        raise ValueError(
+            "int8 dynamic quantization runs on the CPU only; use --dtype bfloat16 on CUDA"
+        )
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     weight = head.weight.detach().float()

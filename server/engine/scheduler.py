@@ -91,7 +91,10 @@ class Scheduler:
                 plan.copies.append(copy)
 
     def _blocks_needed(self, items: list[WorkItem]) -> int:
-        return sum(self.pool.blocks_needed(i.seq.block_table, i.seq.num_computed + i.num_new) for i in items)
+        return sum(
+            self.pool.blocks_needed(i.seq.block_table, i.seq.num_computed + i.num_new)
+            for i in items
+        )
 
     def _attach_cached(self, request: EngineRequest) -> tuple[int, int]:
         """Point the rows that have nothing computed at their cached prefix: (queried, hit) tokens."""
