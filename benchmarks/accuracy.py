@@ -21,9 +21,9 @@ import torch
 
 from decoding import DecodingParams
 from server.engine.engine import Engine
-from server.engine.model_loader import resolve_model_dir
-from server.engine.model_runner import ModelRunner
 from server.engine.request import EngineRequest
+from server.model.loader import resolve_model_dir
+from server.model.runner import ModelRunner
 
 HERE = Path(__file__).resolve().parent
 FORMATS = {

@@ -63,7 +63,7 @@ def load_hf_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from server.engine.model_loader import resolve_model_dir
+    from server.model.loader import resolve_model_dir
 
     start = time.perf_counter()
     path = resolve_model_dir(model, cache_dir)

@@ -13,9 +13,9 @@ from server.api.serving import ServingContext
 from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
-from server.engine.model_loader import resolve_model_dir, served_model_name
-from server.engine.model_runner import ModelRunner, pick_device, pick_dtype
 from server.metrics import Metrics
+from server.model.loader import resolve_model_dir, served_model_name
+from server.model.runner import ModelRunner, pick_device, pick_dtype
 
 log = logging.getLogger(__name__)
 

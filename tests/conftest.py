@@ -15,8 +15,8 @@ from server.api.serving import ServingContext
 from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
-from server.engine.model_runner import ModelRunner
 from server.metrics import Metrics
+from server.model.runner import ModelRunner
 from tests.tiny_models import build_tiny_model
 
 torch.set_num_threads(2)

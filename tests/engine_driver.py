@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 from decoding import DecodingParams
 from server.engine.engine import Engine
-from server.engine.request import EngineRequest, RequestOutput
-from server.engine.sequence import Sequence
+from server.engine.request import EngineRequest, RequestOutput, Sequence
 
 
 @dataclass(eq=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from server.engine.cpu_linear import TransposedLinear, transpose_linears
+from server.model.cpu_linear import TransposedLinear, transpose_linears
 from tests.conftest import make_engine
 
 
@@ -51,7 +51,7 @@ def test_cpu_runner_runs_transposed_linears_with_an_untied_head(llama_dir: Path)
 def test_native_layout_keeps_nn_linear_and_gives_the_same_tokens(llama_dir: Path) -> None:
     from decoding import DecodingParams
     from server.engine.engine import Engine
-    from server.engine.model_runner import ModelRunner
+    from server.model.runner import ModelRunner
     from tests.engine_driver import generate
 
     fast = make_engine(llama_dir)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from decoding import DecodingParams
-from server.engine.attention import DecodeStep
 from server.engine.engine import Engine
-from server.engine.model_runner import ModelRunner, shape_bucket
+from server.model.attention import DecodeStep
+from server.model.runner import ModelRunner, shape_bucket
 from tests.conftest import make_engine
 from tests.engine_driver import generate
 from tests.test_engine_correctness import PROMPTS, hf_greedy

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.api.app import create_app
 from server.api.serving import ServingContext
-from server.engine.model_loader import resolve_model_dir
+from server.model.loader import resolve_model_dir
 from tests.conftest import make_engine, serving_context
 
 pytestmark = pytest.mark.default_model

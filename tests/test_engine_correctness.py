@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoding import DecodingParams
-from server.engine.sequence import Sequence
+from server.engine.request import Sequence
 from tests.conftest import hf_reference, make_engine
 from tests.engine_driver import generate, stub_rows
 
@@ -99,7 +99,7 @@ def test_fast_weight_formats_run_and_stay_close_to_fp32(
     llama_dir: Path, dtype: torch.dtype, quantization: str
 ) -> None:
     from server.engine.engine import Engine
-    from server.engine.model_runner import ModelRunner
+    from server.model.runner import ModelRunner
 
     runner = ModelRunner(
         llama_dir,

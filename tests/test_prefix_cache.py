@@ -17,8 +17,8 @@ from server.config import load_config
 from server.engine.block_pool import BlockPool
 from server.engine.engine import Engine
 from server.engine.prefix_cache import PrefixCache, hash_block
+from server.engine.request import Sequence
 from server.engine.scheduler import Scheduler, StepPlan
-from server.engine.sequence import Sequence
 from tests.conftest import make_engine, serving_context
 from tests.engine_driver import Collected, generate, run_to_completion, stub_rows, submit
 from tests.test_metrics_wiring import samples

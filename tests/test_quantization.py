@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from server.engine.quantization import (
+from server.model.quantization import (
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
     kernel_supports,

@@ -1,6 +1,6 @@
 from server.engine.block_pool import BlockPool
+from server.engine.request import Sequence
 from server.engine.scheduler import Scheduler, StepPlan
-from server.engine.sequence import Sequence
 from tests.engine_driver import stub_rows
 
 

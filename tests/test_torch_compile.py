@@ -9,9 +9,9 @@ import torch
 
 from decoding import DecodingParams
 from server.config import ServerConfig, load_config
-from server.engine.attention import DecodeStep
 from server.engine.engine import Engine
-from server.engine.model_runner import ModelRunner
+from server.model.attention import DecodeStep
+from server.model.runner import ModelRunner
 from tests.conftest import make_engine
 from tests.engine_driver import generate
 from tests.test_engine_correctness import PROMPTS, hf_greedy

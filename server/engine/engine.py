@@ -36,12 +36,12 @@ from decoding.beam_search import BeamStep, Hypothesis
 from decoding.stopping import find_stop, holdback
 from server.engine.block_pool import BlockPool
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.model_runner import ModelRunner, WorkItem
 from server.engine.prefix_cache import PrefixCache
-from server.engine.request import EngineRequest, RequestOutput, SequenceText, TokenLogprob
+from server.engine.request import EngineRequest, RequestOutput, Sequence, SequenceText, TokenLogprob
 from server.engine.scheduler import Scheduler, StepPlan
-from server.engine.sequence import Sequence
 from server.metrics import Metrics
+from server.model.runner import ModelRunner
+from server.work import WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Sequence as Tokens
 
 from server.engine.block_pool import BlockPool
-from server.engine.sequence import Sequence
+from server.engine.request import Sequence
 
 ROOT_HASH = b""  # parent of a sequence's first block
 

@@ -1,7 +1,12 @@
-"""A request inside the engine, its rows, and the outputs it streams back."""
+"""A request inside the engine, its rows (sequences), and the outputs it streams back.
+
+Requests and rows live in one module because each points at the other: a row knows its request
+(the scheduler plans by request), a request lists its rows.
+"""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,7 +15,8 @@ import torch
 
 from decoding import BeamSearch, DecodingParams, GroupBeamSearch
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.sequence import Sequence
+
+_seq_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,41 @@ class SequenceText:
 
 
 @dataclass(eq=False)
+class Sequence:
+    """One row of a request: its tokens, progress through the KV cache, block table, outcome."""
+
+    request: EngineRequest
+    token_ids: list[int]
+    prompt_len: int
+    index: int = 0  # choice index within its request
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed: int = 0  # tokens whose keys/values are in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of full blocks
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0  # raw-model log-likelihood of the output (best_of ranks by it)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked for
+    text: SequenceText | None = None  # streaming rows only (see output_processor.py)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before this sequence can sample again."""
+        return len(self.token_ids) - self.num_computed
+
+
+@dataclass(eq=False)
 class EngineRequest:
     request_id: str
     prompt_ids: list[int]
@@ -81,5 +122,5 @@ class EngineRequest:
 
     @property
     def streams(self) -> bool:
-        """Sampled strategies stream per choice; beams and best_of only know their answer at the end."""
+        """Sampled strategies stream per choice; beams and best_of know their answer at the end."""
         return self.search is None and self.params.strategy != "best_of"

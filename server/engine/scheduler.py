@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from server.engine.block_pool import BlockPool, OutOfBlocks
-from server.engine.model_runner import WorkItem
 from server.engine.prefix_cache import PrefixCache
-from server.engine.sequence import Sequence
+from server.engine.request import Sequence
+from server.work import WorkItem
 
 if TYPE_CHECKING:
     from server.engine.request import EngineRequest

@@ -10,13 +10,12 @@ import itertools
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from server.engine.attention import (
+from server.model.attention import (
     ATTENTION_NAME,
     DecodeStep,
     PagedKVCache,
@@ -24,29 +23,16 @@ from server.engine.attention import (
     StepContext,
     make_paged_attention,
 )
-from server.engine.cpu_linear import TransposedLinear, transpose_linears
-from server.engine.quantization import (
+from server.model.cpu_linear import TransposedLinear, transpose_linears
+from server.model.quantization import (
     quantize_decoder_w8a8,
     quantize_decoder_weights,
     quantized_lm_head,
 )
-from server.engine.sequence import Sequence
+from server.work import Row, WorkItem
 
 log = logging.getLogger(__name__)
 _runner_ids = itertools.count()
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """One sequence's share of a step: `num_new` tokens starting at its `num_computed`."""
-
-    seq: Sequence
-    num_new: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so its last token predicts the next."""
-        return self.seq.num_computed + self.num_new == len(self.seq.token_ids)
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -257,7 +243,7 @@ class ModelRunner:
         position_ids = torch.tensor([positions], device=self.device)
         return self._logits(self._decode(input_ids, position_ids, ctx)[:n])
 
-    def _decode_batch(self, seqs: list[Sequence]) -> DecodeStep:
+    def _decode_batch(self, seqs: list[Row]) -> DecodeStep:
         """The attention inputs of sequences that each add their next token."""
         return DecodeStep.build(
             [s.block_table for s in seqs],
@@ -289,7 +275,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
-        decode_rows: list[tuple[int, Sequence]] = []  # (packed index, sequence) of one-token rows
+        decode_rows: list[tuple[int, Row]] = []  # (packed index, sequence) of one-token rows
         prefill: list[SeqSlice] = []
         sample_rows: list[int] = []
         for item in items:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from server.engine.chat_templates import add_missing_chat_template
+from server.model.chat_templates import add_missing_chat_template
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from server.engine.cpu_linear import replace_linears
+from server.model.cpu_linear import replace_linears
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,31 @@
+"""The contract between scheduling and the model side: one row's share of a step.
+
+The scheduler produces `WorkItem`s, the model runner consumes them; neither imports the other. A row
+is anything with the three attributes of `Row` (the engine's `Sequence` is one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Row(Protocol):
+    """What the model runner reads of a row: its tokens, how many are cached, where they live."""
+
+    token_ids: list[int]
+    num_computed: int  # tokens whose keys/values are in the cache
+    block_table: list[int]
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One row's share of a step: `num_new` tokens starting at its `num_computed`."""
+
+    seq: Row
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the row, so its last token predicts the next."""
+        return self.seq.num_computed + self.num_new == len(self.seq.token_ids)
