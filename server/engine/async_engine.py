@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from decoding import DecodingParams
 from server.engine.engine import Engine
@@ -21,6 +22,22 @@ log = logging.getLogger(__name__)
 
 class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served."""
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """The KV-cache pool's size, for checks the front end makes before it submits a request."""
+
+    num_blocks: int
+    block_size: int
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks one row of `tokens` tokens occupies."""
+        return -(-tokens // self.block_size)
+
+    def tokens_per_row(self, width: int) -> int:
+        """Tokens each of `width` rows can hold when the pool is split evenly between them."""
+        return (self.num_blocks // width) * self.block_size
 
 
 class AsyncEngine:
@@ -46,6 +63,19 @@ class AsyncEngine:
             log.exception("engine loop died")
             self.error = exc
             self.engine.fail_all(f"engine loop died: {exc}")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        return KVCapacity(self.engine.pool.num_blocks, self.engine.pool.block_size)
+
+    def stats(self) -> dict[str, int | float | bool]:
+        """Counters of the engine since start-up (for GET /v1/engine/stats); a racy but consistent
+        enough read from another thread: each value is one int read."""
+        return self.engine.stats_snapshot()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -110,6 +110,26 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def stats_snapshot(self) -> dict[str, int | float | bool]:
+        s, pool = self.stats, self.pool
+        return {
+            "num_requests_running": self.num_running,
+            "num_requests_waiting": self.num_waiting,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_free": pool.num_free,
+            "peak_kv_blocks_used": s.peak_blocks_used,
+            "steps": s.steps,
+            "tokens_computed": s.tokens_computed,
+            "tokens_generated": s.tokens_generated,
+            "max_seqs_in_step": s.max_seqs_in_step,
+            "preemptions": s.preemptions,
+            "prefix_caching": self.prefix_cache is not None,
+            "kv_blocks_cached": pool.num_cached,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_hit_rate": s.prefix_cache_hits / max(1, s.prefix_cache_queries),
+        }
+
     # ---- admission and abort ----------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         while True:
