@@ -7,7 +7,7 @@ is anything with the three attributes of `Row` (the engine's `Sequence` is one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 
 class Row(Protocol):
@@ -18,11 +18,14 @@ class Row(Protocol):
     block_table: list[int]
 
 
+RowT = TypeVar("RowT", bound=Row)
+
+
 @dataclass(frozen=True)
-class WorkItem:
+class WorkItem(Generic[RowT]):
     """One row's share of a step: `num_new` tokens starting at its `num_computed`."""
 
-    seq: Row
+    seq: RowT
     num_new: int
 
     @property

@@ -68,7 +68,8 @@ def hf_reference(model_dir: Path) -> tuple[torch.nn.Module, object]:
 
 
 def serving_context(engine: Engine, name: str = "tiny", **config: object) -> ServingContext:
-    engine.metrics = Metrics(name)
+    metrics = Metrics(name)
+    engine.recorder.metrics = metrics
     async_engine = AsyncEngine(engine)
     async_engine.start()
     return ServingContext(
@@ -78,7 +79,7 @@ def serving_context(engine: Engine, name: str = "tiny", **config: object) -> Ser
         max_model_len=engine.max_model_len,
         vocab_size=engine.runner.vocab_size,
         config=ServerConfig(**config),
-        metrics=engine.metrics,
+        metrics=metrics,
     )
 
 

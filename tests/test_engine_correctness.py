@@ -45,9 +45,7 @@ def test_logits_of_a_mixed_prefill_and_decode_batch_match_transformers(
             engine.scheduler.add(requests[step // 2])
         plan = engine.scheduler.schedule()
         logits = engine.runner.execute(plan.items, plan.copies)
-        sampled = [i for i in plan.items if i.samples]
-        for item in plan.items:
-            item.seq.num_computed += item.num_new
+        sampled = engine.scheduler.update_from_output(plan)
         for row, item in enumerate(sampled):
             torch.testing.assert_close(
                 logits[row], reference_logits(item.seq), atol=1e-4, rtol=1e-4

@@ -131,14 +131,10 @@ def test_attach_takes_the_longest_matching_run_and_leaves_a_token_to_compute() -
 
 
 # ---- scheduler: admission from the cache -------------------------------------------------------------
-def advance(plan: StepPlan, cache: PrefixCache) -> None:
+def advance(sched: Scheduler, plan: StepPlan) -> None:
     """The engine's bookkeeping after a forward pass, with a fixed sampled token."""
-    for item in plan.items:
-        samples_now = item.samples
-        item.seq.num_computed += item.num_new
-        cache.register(item.seq, item.seq.num_computed - item.num_new)
-        if samples_now:
-            item.seq.token_ids.append(7)
+    for item in sched.update_from_output(plan):
+        item.seq.token_ids.append(7)
 
 
 def test_a_second_request_computes_only_what_the_cache_lacks() -> None:
@@ -152,7 +148,7 @@ def test_a_second_request_computes_only_what_the_cache_lacks() -> None:
         5,
         0,
     )
-    advance(plan, cache)
+    advance(sched, plan)
     sched.remove(a.request)  # type: ignore[arg-type]
     assert pool.num_free == 8 and pool.num_evictable == 2
     b = stub_rows([1, 2, 3, 4, 8, 9]).rows[0]

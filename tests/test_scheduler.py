@@ -13,13 +13,10 @@ def add(sched: Scheduler, *seqs: Sequence) -> None:
         sched.add(s.request)
 
 
-def advance(plan: StepPlan) -> None:
-    """What the engine does after the forward pass: mark computed, append a sampled token."""
-    for item in plan.items:
-        samples = item.samples
-        item.seq.num_computed += item.num_new
-        if samples:
-            item.seq.token_ids.append(7)
+def advance(sched: Scheduler, plan: StepPlan) -> None:
+    """What the engine does after the forward pass: commit the step, append a sampled token."""
+    for item in sched.update_from_output(plan):
+        item.seq.token_ids.append(7)
 
 
 def test_long_prompt_is_prefilled_in_chunks_under_the_budget() -> None:
@@ -30,7 +27,7 @@ def test_long_prompt_is_prefilled_in_chunks_under_the_budget() -> None:
     for _ in range(3):
         plan = sched.schedule()
         chunks.append([(i.num_new, i.samples) for i in plan.items])
-        advance(plan)
+        advance(sched, plan)
     assert chunks == [[(4, False)], [(4, False)], [(2, True)]]
     assert s.num_output == 1
 
@@ -39,7 +36,7 @@ def test_decodes_go_first_and_a_new_prompt_takes_the_rest_of_the_budget() -> Non
     sched = Scheduler(BlockPool(64, 4), max_num_seqs=8, max_num_batched_tokens=6)
     a, b = seq(3), seq(3)
     add(sched, a, b)
-    advance(sched.schedule())  # both prompts fit: 3 + 3
+    advance(sched, sched.schedule())  # both prompts fit: 3 + 3
     c = seq(20)
     add(sched, c)
     plan = sched.schedule()
@@ -55,12 +52,12 @@ def test_requests_join_and_leave_between_steps() -> None:
         add(sched, s)
     plan = sched.schedule()
     assert [i.seq for i in plan.items] == [a, b]  # max_num_seqs caps the running set
-    advance(plan)
+    advance(sched, plan)
     sched.remove(a.request)  # a finishes: its blocks return at once and c joins at the next step
     assert a.block_table == [] and a.request.rows == []
     plan = sched.schedule()
     assert [i.seq for i in plan.items] == [b, c]
-    advance(plan)
+    advance(sched, plan)
     sched.remove(b.request)
     sched.remove(c.request)
     assert pool.num_free == pool.num_blocks
@@ -71,14 +68,14 @@ def test_pool_exhaustion_preempts_the_youngest_and_resumes_it_later() -> None:
     sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
     old, young = seq(3), seq(3)
     add(sched, old, young)
-    advance(sched.schedule())  # prompts: 2 blocks each, pool full
-    advance(sched.schedule())  # 4th token still fits in the 2nd block
+    advance(sched, sched.schedule())  # prompts: 2 blocks each, pool full
+    advance(sched, sched.schedule())  # 4th token still fits in the 2nd block
     assert pool.num_free == 0 and len(old.token_ids) == 5
     plan = sched.schedule()  # both need a third block for their 5th token: the young one yields
     assert plan.preempted == [young.request]
     assert [i.seq for i in plan.items] == [old]
     assert young.num_computed == 0 and young.block_table == [] and sched.waiting[0] is young.request
-    advance(plan)
+    advance(sched, plan)
     sched.remove(old.request)
     plan = sched.schedule()  # recompute prompt + generated tokens, then sample the next
     assert [(i.seq, i.num_new, i.samples) for i in plan.items] == [(young, 5, True)]
@@ -104,10 +101,10 @@ def test_rows_of_one_request_sample_in_the_same_step() -> None:
         (rows[0], 5, False),
         (rows[1], 3, False),
     ]
-    advance(plan)
+    advance(sched, plan)
     plan = sched.schedule()  # 1 + 3 + 6 = 10 > 8 still: nobody may reach the end alone
     assert all(not i.samples for i in plan.items)
-    advance(plan)
+    advance(sched, plan)
     plan = sched.schedule()
     assert [i.samples for i in plan.items] == [True, True, True]
 

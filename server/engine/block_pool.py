@@ -59,7 +59,9 @@ class BlockPool:
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
             self.evictions += 1
-            del self._by_hash[self._hash_of[block]]  # type: ignore[index]
+            old_hash = self._hash_of[block]
+            if old_hash is not None:  # evictable blocks are always tagged
+                del self._by_hash[old_hash]
             self._hash_of[block] = None
         else:
             raise OutOfBlocks("KV cache pool exhausted")
@@ -115,7 +117,7 @@ class BlockPool:
         table[index] = new
         return block, new
 
-    # ---- prefix cache -----------------------------------------------------------------------------
+    # ---- prefix cache ---------------------------------------------------------------------------
     def cached_block(self, block_hash: bytes) -> int | None:
         """The block tagged with `block_hash`, if any (owned or evictable)."""
         return self._by_hash.get(block_hash)

@@ -7,6 +7,8 @@ when the window still ends in U+FFFD (an incomplete byte sequence) we wait for m
 
 from __future__ import annotations
 
+from typing import cast
+
 from transformers import PreTrainedTokenizerBase
 
 
@@ -19,9 +21,10 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
+        text = self.tokenizer.decode(
             ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
+        return cast(str, text)  # one sequence of ids decodes to one string
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly stable text (possibly empty)."""

@@ -106,7 +106,8 @@ class EngineRequest:
     rows: list[Sequence] = field(default_factory=list)  # active rows, in sibling order
     done_rows: list[Sequence] = field(default_factory=list)  # finished rows (best_of ranks them)
     search: BeamSearch | GroupBeamSearch | None = None
-    beam_logprobs: dict[tuple[int, ...], TokenLogprob] | None = None
+    # per step, the logprob of each (input row, token) its beam search chose (see beams.py)
+    beam_logprobs: list[dict[tuple[int, int], TokenLogprob]] = field(default_factory=list)
     finishing_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

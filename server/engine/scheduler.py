@@ -18,20 +18,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from server.engine.block_pool import BlockPool, OutOfBlocks
 from server.engine.prefix_cache import PrefixCache
-from server.engine.request import Sequence
+from server.engine.request import EngineRequest, Sequence
 from server.work import WorkItem
-
-if TYPE_CHECKING:
-    from server.engine.request import EngineRequest
 
 
 @dataclass
 class StepPlan:
-    items: list[WorkItem] = field(default_factory=list)
+    items: list[WorkItem[Sequence]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[EngineRequest] = field(default_factory=list)
     cache_queries: int = 0  # tokens of admitted rows looked up in the prefix cache
@@ -42,7 +38,7 @@ class StepPlan:
         return sum(i.num_new for i in self.items)
 
 
-def plan_rows(rows: list[Sequence], budget: int) -> list[WorkItem]:
+def plan_rows(rows: list[Sequence], budget: int) -> list[WorkItem[Sequence]]:
     """Chunks for one request's rows: all to the end if they fit, else each stops one short."""
     pending = [s.num_pending for s in rows]
     if sum(pending) <= budget:
@@ -90,14 +86,14 @@ class Scheduler:
             if copy is not None:
                 plan.copies.append(copy)
 
-    def _blocks_needed(self, items: list[WorkItem]) -> int:
+    def _blocks_needed(self, items: list[WorkItem[Sequence]]) -> int:
         return sum(
             self.pool.blocks_needed(i.seq.block_table, i.seq.num_computed + i.num_new)
             for i in items
         )
 
     def _attach_cached(self, request: EngineRequest) -> tuple[int, int]:
-        """Point the rows that have nothing computed at their cached prefix: (queried, hit) tokens."""
+        """Point the rows with nothing computed at their cached prefix: (queried, hit) tokens."""
         queried = hit = 0
         if self.prefix_cache is not None:
             for seq in request.rows:
@@ -158,8 +154,67 @@ class Scheduler:
             budget -= sum(item.num_new for item in items)
         return plan
 
+    def update_from_output(self, plan: StepPlan) -> list[WorkItem[Sequence]]:
+        """The step ran: its tokens are in the cache, and every block it filled is offered to the
+        prefix cache. Returns the items whose rows sample now (their chunk reached the end)."""
+        sampling = [item for item in plan.items if item.samples]
+        for item in plan.items:
+            seq = item.seq
+            seq.num_computed += item.num_new
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(seq, seq.num_computed - item.num_new)
+        return sampling
+
+    def fork_row(self, parent: Sequence, token_ids: list[int], index: int) -> Sequence:
+        """A new row of `parent`'s request that shares every KV block of `parent` (copy-on-write
+        of a partly filled last block happens when either writes into it): beams, n, best_of."""
+        child = Sequence(parent.request, token_ids, parent.prompt_len, index=index)
+        child.num_computed = parent.num_computed
+        child.block_table = self.pool.share(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        return child
+
+    def fork_beams(self, req: EngineRequest, parents: list[int], tokens: list[int]) -> None:
+        """Replace a beam request's rows by their children: row `parents[i]` + `tokens[i]`."""
+        old = req.rows
+        req.rows = [
+            self.fork_row(old[p], [*old[p].token_ids, token], index=i)
+            for i, (p, token) in enumerate(zip(parents, tokens))
+        ]
+        for parent in old:
+            self.release_row(parent)
+
+    def fork_first_samples(self, rows: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
+        """A request with n / best_of > 1 prefills its prompt once, as one row; at its first
+        sample that row forks into its width, the children sharing the prompt's blocks. Returns
+        the rows that sample now and, when any forked, the input row each one samples from."""
+
+        def expands(seq: Sequence) -> bool:
+            req = seq.request
+            return (
+                req.search is None and req.width > 1 and not seq.num_output and len(req.rows) == 1
+            )
+
+        if not any(expands(seq) for seq in rows):
+            return rows, None
+        out_rows: list[Sequence] = []
+        index: list[int] = []
+        for r, seq in enumerate(rows):
+            if expands(seq):
+                req = seq.request
+                req.rows.extend(
+                    self.fork_row(seq, list(seq.token_ids), k) for k in range(1, req.width)
+                )
+                out_rows.extend(req.rows)
+                index.extend([r] * req.width)
+            else:
+                out_rows.append(seq)
+                index.append(r)
+        return out_rows, index
+
     def release_row(self, seq: Sequence) -> None:
-        """A row leaves its request (finished, or replaced by its beam children): free its blocks."""
+        """A row leaves its request (finished, or replaced by its beam children): free its
+        blocks."""
         self.pool.release(seq.block_table)
 
     def remove(self, request: EngineRequest) -> None:

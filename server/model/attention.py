@@ -7,14 +7,15 @@ over its own history read through its block table. Decode rows (one query each) 
 batch (a `DecodeStep`); prefill chunks run one sequence at a time. Gather indices are built once
 per step and shared by all layers; sliding-window layers (Gemma 3, Mistral) get a windowed mask.
 
-A step in which every sequence adds exactly one token (the steady state of serving) is passed as a
-bare `DecodeStep` instead of a `StepContext`: tensors only, no Python lists and no per-step cache, so
-that `torch.compile` can trace the whole decoder through it (see model_runner.py).
+A step in which every sequence adds exactly one token (the steady state of serving) is passed as
+a bare `DecodeStep` instead of a `StepContext`: tensors only, no Python lists and no per-step cache,
+so that `torch.compile` can trace the whole decoder through it (see runner.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -208,8 +209,8 @@ def make_paged_attention(cache: PagedKVCache):
         if beamline_ctx is None:
             raise RuntimeError("beamline paged attention called without a step context")
         ctx = beamline_ctx
-        layer = module.layer_idx
-        scaling = module.head_dim**-0.5 if scaling is None else scaling
+        layer = cast(int, module.layer_idx)
+        scale = cast(int, module.head_dim) ** -0.5 if scaling is None else scaling
         k_pool, v_pool = cache.keys[layer], cache.values[layer]
         # index_copy_/index_select: several times faster on CPU than advanced-index assignment.
         k_pool.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype))
@@ -217,23 +218,23 @@ def make_paged_attention(cache: PagedKVCache):
 
         q = query[0].transpose(0, 1)  # [T, H, D]
         if isinstance(ctx, DecodeStep):
-            return _attend_decode(
-                q, k_pool, v_pool, ctx, sliding_window, scaling, softcap
-            ).unsqueeze(0), None
+            return _attend_decode(q, k_pool, v_pool, ctx, sliding_window, scale, softcap).unsqueeze(
+                0
+            ), None
         out = torch.empty_like(q)
-        if ctx.decode is not None:
+        if ctx.decode is not None and ctx.decode_index is not None:
             qd = q.index_select(0, ctx.decode_index)
             out.index_copy_(
                 0,
                 ctx.decode_index,
-                _attend_decode(qd, k_pool, v_pool, ctx.decode, sliding_window, scaling, softcap),
+                _attend_decode(qd, k_pool, v_pool, ctx.decode, sliding_window, scale, softcap),
             )
         for s in ctx.prefill:
             qp = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             kp = k_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
             vp = v_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)
             mask = ctx.prefill_mask(s, sliding_window)
-            out[s.start : s.start + s.num_new] = _attend(qp, kp, vp, mask, scaling, softcap)[
+            out[s.start : s.start + s.num_new] = _attend(qp, kp, vp, mask, scale, softcap)[
                 0
             ].transpose(0, 1)
         return out.unsqueeze(0), None

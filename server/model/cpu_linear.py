@@ -43,7 +43,8 @@ class TransposedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
 def replace_linears(
@@ -51,8 +52,9 @@ def replace_linears(
     build: Callable[[nn.Linear], nn.Module],
     where: Callable[[str, nn.Linear], bool],
 ) -> int:
-    """Replace every plain `nn.Linear` under `module` for which `where(attribute name, layer)` holds
-    by `build(layer)`, in place; returns the count. Each replaced layer's weight is released as it goes."""
+    """Replace every plain `nn.Linear` under `module` for which `where(attribute name, layer)`
+    holds by `build(layer)`, in place; returns the count. Each replaced layer's weight is released
+    as it goes."""
     targets = [
         (parent, name, child)
         for parent in module.modules()

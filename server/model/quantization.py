@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import cast
 
 import torch
 
@@ -56,6 +57,9 @@ class Int8WeightOnlyLinear(torch.nn.Module):
     channels survive and a row's result never depends on the other rows of the batch.
     """
 
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -84,6 +88,9 @@ class Int8DynamicLinear(torch.nn.Module):
     the batch; the weight is kept [out, in] and read through a transposed view, the layout in which
     `torch._int_mm` is fastest on the CPU.
     """
+
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -142,7 +149,8 @@ def quantize_decoder_w8a8(decoder: torch.nn.Module, device: torch.device) -> int
         ),  # an unsupported down_proj stays float
     )
     log.info(
-        "decoder quantized: %d linear layers with int8 weights and int8 per-token activations, %d weight-only (%s)",
+        "decoder quantized: %d linear layers with int8 weights and int8 per-token activations, "
+        "%d weight-only (%s)",
         dynamic,
         weight_only,
         ", ".join(sorted(WEIGHT_ONLY_UNDER_W8A8)),
@@ -162,7 +170,7 @@ def quantized_lm_head(head: torch.nn.Module, device: torch.device, method: str) 
         )
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    weight = head.weight.detach().float()
+    weight = cast(torch.Tensor, head.weight).detach().float()
     untied = torch.nn.Sequential(torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False))
     untied[0].weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
     with warnings.catch_warnings():  # torch.ao prints a migration notice (to torchao) on use

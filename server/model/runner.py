@@ -13,7 +13,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    PreTrainedTokenizerBase,
+)
 
 from server.model.attention import (
     ATTENTION_NAME,
@@ -51,7 +56,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def compiler_available(device: torch.device) -> bool:
-    """Inductor compiles its CPU kernels with a C++ compiler; Triton (CUDA) builds launchers with a C one."""
+    """Inductor compiles its CPU kernels with a C++ compiler; Triton (CUDA) builds its launchers
+    with a C one."""
     names = ("g++", "c++", "clang++") if device.type == "cpu" else ("gcc", "cc", "clang")
     chosen = os.environ.get("CXX" if device.type == "cpu" else "CC")
     return any(shutil.which(name) for name in ((chosen,) if chosen else ()) + names)
@@ -79,8 +85,8 @@ class ModelRunner:
     ) -> None:
         if compile_decode and not compiler_available(device):
             raise ValueError(
-                "torch_compile needs a C/C++ compiler on PATH (inductor builds its kernels with it): "
-                "install g++ (CPU) or gcc (CUDA, for Triton), or run without --torch-compile"
+                "torch_compile needs a C/C++ compiler on PATH (inductor builds its kernels with "
+                "it): install g++ (CPU) or gcc (CUDA, for Triton), or run without --torch-compile"
             )
         self.device = device
         self.dtype = dtype
@@ -90,7 +96,8 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False
         )
-        self.model = model.to(device).eval()
+        # transformers types .to() through a decorator whose stub loses `self`
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
         self.decoder = self.model.get_decoder()
         head = self.model.get_output_embeddings()
         self.vocab_size = head.weight.shape[0]
@@ -105,9 +112,8 @@ class ModelRunner:
             quantize_decoder_w8a8(self.decoder, device)
         if linear_layout == "transposed" or (linear_layout == "auto" and device.type == "cpu"):
             transpose_linears(self.decoder)
-            if (
-                self.lm_head is head
-            ):  # an untied copy: the embedding keeps the [vocab, hidden] table
+            if self.lm_head is head and isinstance(head, torch.nn.Linear):
+                # an untied copy: the embedding keeps the [vocab, hidden] table
                 self.lm_head = TransposedLinear.from_linear(head)
         self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
@@ -156,12 +162,12 @@ class ModelRunner:
             block_size,
             self.num_blocks * per_block / 2**20,
         )
-        # Decode-only steps (every sequence adds one token) may run through torch.compile: it fuses
-        # the element-wise glue between the matmuls and drops most of the per-op dispatch cost, which
-        # is about half of a one-row step on the CPU. Shapes are dynamic (rows, context width), so
-        # one graph serves every batch size >= 2 and one more serves a single row.
+        # Decode-only steps (every sequence adds one token) may run through torch.compile: it
+        # fuses the element-wise glue between the matmuls and drops most of the per-op dispatch
+        # cost, which is about half of a one-row step on the CPU. Shapes are dynamic (rows,
+        # context width), so one graph serves every batch size >= 2 and one more a single row.
         # With cuda_graphs on CUDA, inductor's "reduce-overhead" mode records one CUDA graph per
-        # bucketed shape and replays it (on the CPU only the padding happens; that is how it is tested).
+        # bucketed shape and replays it (on the CPU only the padding happens; so it is tested).
         self.compile_decode = compile_decode
         mode = "reduce-overhead" if cuda_graphs and device.type == "cuda" else None
         self._run_decode = (
@@ -169,6 +175,17 @@ class ModelRunner:
             if compile_decode
             else self._run_decoder
         )
+
+    def eos_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+        """The model's end-of-sequence ids: its generation config's and the tokenizer's."""
+        ids: set[int] = set()
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        for value in (gen_eos, tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        return frozenset(ids)
 
     @property
     def max_position_embeddings(self) -> int:
@@ -201,7 +218,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Compile the decode step before serving: one single-row step and one two-row step, on
-        the slots of block 0 (nothing is cached yet, and every block is written before it is read)."""
+        the slots of block 0 (nothing is cached yet; every block is written before it is read)."""
         if not self.compile_decode:
             return
         for positions in ([1], [1, 2]) * (
@@ -268,7 +285,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, items: list[WorkItem], copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Run `items` as one forward pass; return logits [R, V] for the items that sample, in order."""
+        """Run `items` as one forward pass; logits [R, V] of the items that sample, in order."""
         self.kv_cache.copy_blocks(copies)
         if items and all(item.num_new == 1 and item.samples for item in items):
             return self._execute_decode(items)

@@ -1,0 +1,72 @@
+"""Beam requests inside the batch: step their searches, keep the logprobs of the chosen tokens.
+
+Which hypothesis wins is known only at the end, so every step keeps the logprob of each (input
+row, token) pair the search chose: the continuing beams and the hypotheses finished at that step.
+A hypothesis lists, per step, the input row its token came from (`Hypothesis.rows`), which finds
+its path through those records: memory is linear in the output length (beams x steps entries).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decoding import (
+    BeamSearch,
+    BeamStep,
+    GroupBeamSearch,
+    Hypothesis,
+    step_beam_searches,
+    token_logprobs,
+)
+from server.engine.output_processor import Choice
+from server.engine.request import EngineRequest, TokenLogprob
+
+StepLogprobs = dict[tuple[int, int], TokenLogprob]  # (input row, token) -> logprob, one step
+
+
+def step_searches(reqs: list[EngineRequest], scores: list[torch.Tensor]) -> list[BeamStep]:
+    """Plain beam searches share one batched top-k; group beam searches step on their own."""
+    plain = [i for i, r in enumerate(reqs) if isinstance(r.search, BeamSearch)]
+    steps: dict[int, BeamStep] = dict(
+        zip(
+            plain,
+            step_beam_searches([search_of(reqs[i]) for i in plain], [scores[i] for i in plain]),
+        )
+    )
+    return [steps[i] if i in steps else search_of(r).step(scores[i]) for i, r in enumerate(reqs)]
+
+
+def record_logprobs(req: EngineRequest, logits: torch.Tensor, beam_step: BeamStep) -> None:
+    """Keep the raw logprobs (and top alternatives) of the pairs `beam_step` chose from `logits`,
+    this request's rows of the step."""
+    k = req.params.logprobs or 0
+    pairs = [*zip(beam_step.parents, beam_step.tokens), *beam_step.finished]
+    step: StepLogprobs = {}
+    if pairs:
+        lp = token_logprobs(logits, [t for _, t in pairs], rows=[r for r, _ in pairs], num_top=k)
+        for i, (row, token) in enumerate(pairs):
+            chosen, alternatives = lp.row(i, k)
+            step[(row, token)] = TokenLogprob(token, chosen, alternatives)
+    req.beam_logprobs.append(step)
+
+
+def hypothesis_logprobs(req: EngineRequest, hyp: Hypothesis) -> list[TokenLogprob] | None:
+    """The logprob of each token of `hyp`, from the records of the steps that chose them."""
+    if req.params.logprobs is None:
+        return None
+    path = zip(req.beam_logprobs, hyp.rows, hyp.token_ids)
+    entries = [step.get((row, token)) for step, row, token in path]
+    if len(entries) != len(hyp.token_ids) or any(e is None for e in entries):
+        raise RuntimeError(f"beam logprobs lost for request {req.request_id}")
+    return [e for e in entries if e is not None]
+
+
+def choices(req: EngineRequest, hypotheses: list[Hypothesis]) -> list[Choice]:
+    """The final choices of a beam request: each hypothesis with its tokens' logprobs."""
+    return [(h.token_ids, h.finish_reason, hypothesis_logprobs(req, h)) for h in hypotheses]
+
+
+def search_of(req: EngineRequest) -> BeamSearch | GroupBeamSearch:
+    if req.search is None:
+        raise RuntimeError(f"request {req.request_id} has no beam search")
+    return req.search

@@ -1,0 +1,147 @@
+"""From chosen tokens to what clients receive: detokenization, stop strings, emission.
+
+Rows that stream (greedy, sampling, n) carry their text state (`Sequence.text`): an incremental
+detokenizer, how much was sent, how far stop strings were searched. Text that could still turn
+into the start of a stop string is held back. Beams and best_of know their answer only at the
+end: `emit_choices` sends each whole choice once, stop strings applied to its full text.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from transformers import PreTrainedTokenizerBase
+
+from decoding import rank_samples
+from decoding.stopping import find_stop, holdback
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.request import (
+    EngineRequest,
+    RequestOutput,
+    Sequence,
+    SequenceText,
+    TokenLogprob,
+)
+
+Choice = tuple[list[int], str, list[TokenLogprob] | None]  # token ids, finish reason, logprobs
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> str | None:
+        """Add a chosen token to an independent row and stream its new text; return the finish
+        reason when the row ends here (the caller then calls `finish_row`)."""
+        req, params = seq.request, seq.request.params
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob.logprob
+            if params.logprobs is not None:
+                seq.logprobs.append(logprob)
+        if token in req.finishing_ids:
+            return "stop"
+        text = self._text(seq)
+        if text is not None:
+            text.detok.push(token)
+            if params.stop and _hit_stop_string(text, params.stop):
+                return "stop"
+        if seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        if text is not None:
+            ready = len(text.detok.text) - holdback(params.stop)
+            delta = ""
+            if ready > text.sent:
+                delta, text.sent = text.detok.text[text.sent : ready], ready
+            _emit(req, seq.index, delta, [token], None, seq.num_output, seq.logprobs[-1:] or None)
+        return None
+
+    def finish_row(self, seq: Sequence, reason: str, request_done: bool) -> None:
+        """The last output of a streaming row: whatever text it still holds back."""
+        text = self._text(seq)
+        if text is None:
+            return
+        if not text.cut:
+            text.detok.flush()
+        _emit(
+            seq.request,
+            seq.index,
+            text.detok.text[text.sent :],
+            seq.token_ids[-1:],
+            reason,
+            seq.num_output,
+            seq.logprobs[-1:] or None,
+            request_done=request_done,
+        )
+
+    def emit_choices(self, req: EngineRequest, choices: list[Choice]) -> None:
+        """Send whole choices at once (beams, best_of), applying stop strings to each."""
+        for index, (token_ids, reason, logprobs) in enumerate(choices):
+            text = cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+            cut = find_stop(text, req.params.stop) if req.params.stop else None
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+            elif token_ids and token_ids[-1] in req.finishing_ids:
+                reason = "stop"
+            done = index == len(choices) - 1
+            _emit(req, index, text, list(token_ids), reason, len(token_ids), logprobs, None, done)
+
+    def emit_best_samples(self, req: EngineRequest) -> None:
+        """best_of: every sample is in; send the n most likely (raw cumulative logprob)."""
+        ranked = rank_samples([s.cumulative_logprob for s in req.done_rows], req.params.n)
+        chosen = [req.done_rows[i] for i in ranked]
+        self.emit_choices(
+            req, [(s.output_ids, s.finish_reason or "length", s.logprobs or None) for s in chosen]
+        )
+
+    @staticmethod
+    def emit_end(req: EngineRequest, reason: str, error: str | None = None) -> None:
+        """One last, empty output that ends an aborted or failed request's stream."""
+        _emit(req, 0, "", [], reason, 0, error=error, request_done=True)
+
+    def _text(self, seq: Sequence) -> SequenceText | None:
+        """The row's streaming text state, made at its first token (rows of streaming requests)."""
+        if seq.text is None and seq.request.streams:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.request.prompt_ids)
+            seq.text = SequenceText(detok)
+        return seq.text
+
+
+def _hit_stop_string(text: SequenceText, stops: tuple[str, ...]) -> bool:
+    """True (and the text cut before it) once a stop string appears in the generated text."""
+    cut = find_stop(text.detok.text, stops, text.stop_checked)
+    text.stop_checked = max(0, len(text.detok.text) - holdback(stops))
+    if cut is None:
+        return False
+    text.detok.text = text.detok.text[:cut]
+    text.cut = True
+    return True
+
+
+def _emit(
+    req: EngineRequest,
+    index: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    completion_tokens: int,
+    logprobs: list[TokenLogprob] | None = None,
+    error: str | None = None,
+    request_done: bool = False,
+) -> None:
+    req.emit(
+        RequestOutput(
+            request_id=req.request_id,
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
+            completion_tokens=completion_tokens,
+            logprobs=logprobs,
+            error=error,
+            request_done=request_done,
+        )
+    )

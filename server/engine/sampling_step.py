@@ -1,0 +1,47 @@
+"""One call into decoding/ for every row that samples in a step, whatever its strategy.
+
+Per-row parameters become tensors once per step (`SamplingTensors`), the logits are processed
+(penalties, bans, warpers) and a token is chosen per row; rows whose request asked for logprobs
+(beams excepted: beams.py keeps theirs) get the raw model's logprob of that token and its top
+alternatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoding import SamplingTensors, choose_tokens, process_logits, token_logprobs
+from server.engine.request import Sequence, TokenLogprob
+
+
+@dataclass
+class Choices:
+    scores: torch.Tensor  # [R, V] processed log-probs (beam searches step on these)
+    tokens: list[int]  # the chosen token of each row (unused by beam rows)
+    logprobs: dict[int, TokenLogprob]  # by row, for the rows that asked for logprobs
+
+
+def choose(rows: list[Sequence], logits: torch.Tensor, eos_ids: frozenset[int]) -> Choices:
+    """Process `logits` [R, V] of `rows` and choose each row's next token."""
+    params = [s.request.params for s in rows]
+    tensors = SamplingTensors.from_rows(
+        params,
+        [s.request.prompt_ids for s in rows],
+        [s.output_ids for s in rows],
+        eos_ids,
+        logits.shape[-1],
+        logits.device,
+    )
+    scores = process_logits(logits, tensors)
+    tokens = choose_tokens(scores, tensors, [s.request.generator for s in rows]).tolist()
+    wanted = tensors.logprob_rows  # non-beam rows whose request asked for logprobs
+    logprobs: dict[int, TokenLogprob] = {}
+    if wanted:
+        top = max(params[r].logprobs or 0 for r in wanted)
+        lp = token_logprobs(logits, [tokens[r] for r in wanted], rows=wanted, num_top=top)
+        for i, r in enumerate(wanted):
+            chosen, alternatives = lp.row(i, params[r].logprobs or 0)
+            logprobs[r] = TokenLogprob(tokens[r], chosen, alternatives)
+    return Choices(scores, tokens, logprobs)

@@ -1,0 +1,154 @@
+"""Counters of the engine (for /v1/engine/stats and tests) and the Prometheus metrics it feeds.
+
+One small object records every event of a step in both places, so the engine loop only says what
+happened. Request ends are logged here too, with the figures the metrics get.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from server.engine.block_pool import BlockPool
+from server.engine.request import EngineRequest, Sequence
+from server.metrics import Metrics
+from server.work import WorkItem
+
+Number = int | float | bool
+log = logging.getLogger("server.engine.engine")  # request-end logs keep their historical logger
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0
+    tokens_generated: int = 0
+    max_seqs_in_step: int = 0
+    preemptions: int = 0
+    peak_blocks_used: int = 0
+    prefix_cache_queries: int = 0  # tokens of admitted rows looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
+    step_seqs_histogram: dict[int, int] = field(default_factory=dict)
+
+
+class StatsRecorder:
+    """Writes the engine's events into `EngineStats` and, when enabled, the Prometheus metrics."""
+
+    def __init__(self, pool: BlockPool, metrics: Metrics | None) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.stats = EngineStats()
+
+    def snapshot(self, running: int, waiting: int, *, prefix_caching: bool) -> dict[str, Number]:
+        """Every counter, for GET /v1/engine/stats."""
+        s, pool = self.stats, self.pool
+        return {
+            "num_requests_running": running,
+            "num_requests_waiting": waiting,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_free": pool.num_free,
+            "peak_kv_blocks_used": s.peak_blocks_used,
+            "steps": s.steps,
+            "tokens_computed": s.tokens_computed,
+            "tokens_generated": s.tokens_generated,
+            "max_seqs_in_step": s.max_seqs_in_step,
+            "preemptions": s.preemptions,
+            "prefix_caching": prefix_caching,
+            "kv_blocks_cached": pool.num_cached,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_hit_rate": s.prefix_cache_hits / max(1, s.prefix_cache_queries),
+        }
+
+    def schedule(self, preempted: int, cache_queries: int, cache_hits: int) -> None:
+        s = self.stats
+        s.preemptions += preempted
+        if cache_queries:
+            s.prefix_cache_queries += cache_queries
+            s.prefix_cache_hits += cache_hits
+            if self.metrics is not None:
+                self.metrics.record_prefix_cache(queries=cache_queries, hits=cache_hits)
+        used = self.pool.num_blocks - self.pool.num_free
+        s.peak_blocks_used = max(s.peak_blocks_used, used)
+        if self.metrics is not None and preempted:
+            self.metrics.record_preemptions(preempted)
+
+    def state(self, running: int, waiting: int) -> None:
+        if self.metrics is not None:
+            self.metrics.set_scheduler_state(
+                running=running, waiting=waiting, kv_cache_usage=self.pool.usage
+            )
+
+    def step(self, items: list[WorkItem[Sequence]]) -> None:
+        """A forward pass over `items` is about to run."""
+        now = time.monotonic()
+        for item in items:
+            req = item.seq.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                req.cached_tokens = min(item.seq.num_computed, len(req.prompt_ids))
+        num_tokens, num_rows = sum(i.num_new for i in items), len(items)
+        s = self.stats
+        s.steps += 1
+        s.tokens_computed += num_tokens
+        s.max_seqs_in_step = max(s.max_seqs_in_step, num_rows)
+        s.step_seqs_histogram[num_rows] = s.step_seqs_histogram.get(num_rows, 0) + 1
+        if self.metrics is not None:
+            self.metrics.observe_step(num_tokens=num_tokens, batch_size=num_rows)
+
+    def tokens(self, req: EngineRequest, count: int, now: float) -> None:
+        """`count` tokens of `req` were generated at `now` (one per row that sampled)."""
+        req.generated_tokens += count
+        self.stats.tokens_generated += count
+        if self.metrics is not None:
+            if req.first_token_time is None:
+                self.metrics.record_first_token(now - req.arrival_time)
+            elif req.last_token_time is not None:
+                self.metrics.record_inter_token(now - req.last_token_time)
+        req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
+
+    def request_end(self, req: EngineRequest, reason: str) -> None:
+        now = time.monotonic()
+        strategy = req.params.strategy
+        prompt_tokens = len(req.prompt_ids)
+        generated = req.generated_tokens
+        queue_s = (req.first_scheduled_time or now) - req.arrival_time
+        e2e_s = now - req.arrival_time
+        ttft_s = req.first_token_time - req.arrival_time if req.first_token_time else None
+        log.info(
+            "request %s finished: %s",
+            req.request_id,
+            reason,
+            extra={
+                "request_id": req.trace_id or req.request_id,
+                "engine_request_id": req.request_id,
+                "finish_reason": reason,
+                "strategy": strategy,
+                "prompt_tokens": prompt_tokens,
+                "generation_tokens": generated,
+                "cached_tokens": req.cached_tokens,
+                "queue_s": round(queue_s, 4),
+                "ttft_s": round(ttft_s, 4) if ttft_s is not None else None,
+                "e2e_s": round(e2e_s, 4),
+            },
+        )
+        if self.metrics is None:
+            return
+        if reason in ("stop", "length"):
+            self.metrics.record_request_success(
+                strategy=strategy,
+                finished_reason=reason,
+                prompt_tokens=prompt_tokens,
+                generation_tokens=generated,
+                queue_time_s=queue_s,
+                e2e_s=e2e_s,
+            )
+        else:
+            self.metrics.record_request_failure(
+                reason="aborted" if reason == "abort" else "internal",
+                strategy=strategy,
+                prompt_tokens=prompt_tokens,
+                generation_tokens=generated,
+            )
