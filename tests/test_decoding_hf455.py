@@ -1,9 +1,14 @@
 """Exact parity with transformers 4.55.4, the last release with v4 beam machinery in the library.
 
-Not part of the default suite (it needs a scratch virtualenv). To run it:
+It needs a scratch virtualenv with transformers 4.55.4, which `tests/hf455_venv.sh` builds once
+(about a minute; ~/.cache/beamline/hf455, or $BEAMLINE_HF455_VENV) and reuses after; it prints
+the venv's python:
 
-    python -m venv /tmp/hf455 && /tmp/hf455/bin/pip install transformers==4.55.4 torch==2.13.0
-    BEAMLINE_HF455_PYTHON=/tmp/hf455/bin/python pytest tests/test_decoding_hf455.py
+    BEAMLINE_HF455_PYTHON="$(tests/hf455_venv.sh)" python -m pytest tests/test_decoding_hf455.py
+
+`.ci/run` does exactly that. Without BEAMLINE_HF455_PYTHON the test skips, except under CI=true,
+where it fails: CI must run it. A BEAMLINE_HF455_PYTHON that cannot import transformers 4.55.4
+and torch always fails.
 
 The test builds the tiny llama and runs this file as a script under that interpreter, which
 compares our state machines with:
@@ -18,12 +23,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 HF455_PYTHON = os.environ.get("BEAMLINE_HF455_PYTHON")
 ROOT = Path(__file__).resolve().parents[1]
+PROBE = "import torch, transformers; assert transformers.__version__ == '4.55.4'"
 PROMPTS = [
     [330, 320, 299, 78, 265, 379, 81, 268, 376],
     [43, 296, 367, 327, 301, 4, 314, 303, 262, 286],
@@ -34,8 +41,25 @@ def test_parity_with_transformers_4_55(tmp_path: Path) -> None:
     import pytest
 
     if not HF455_PYTHON:
-        pytest.skip(
-            "set BEAMLINE_HF455_PYTHON to a python with transformers 4.55.4 (see the docstring)"
+        why = (
+            "BEAMLINE_HF455_PYTHON is not set; build the transformers 4.55.4 venv with "
+            'BEAMLINE_HF455_PYTHON="$(tests/hf455_venv.sh)" (see this file\'s docstring)'
+        )
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: {why}", pytrace=False)
+        pytest.skip(why)
+    # Set but broken fails everywhere: whoever set it meant the test to run.
+    if shutil.which(HF455_PYTHON) is None:
+        problem = "is not an executable"
+    else:
+        probe = subprocess.run(
+            [HF455_PYTHON, "-c", PROBE], capture_output=True, text=True, timeout=300
+        )
+        problem = f"fails {PROBE!r}:\n{probe.stderr[-2000:]}" if probe.returncode else ""
+    if problem:
+        pytest.fail(
+            f"BEAMLINE_HF455_PYTHON={HF455_PYTHON} {problem}\n(re)build it with tests/hf455_venv.sh",
+            pytrace=False,
         )
     from tests.tiny_models import build_tiny_model
 
