@@ -1,7 +1,9 @@
 """Runs one engine step through the model: pack tokens, call the decoder, LM head on sampled rows.
 
 The model definition is transformers' own; attention and the KV cache are ours (see attention.py).
-The same code runs on CUDA and CPU: only `device` (chosen once at start-up) differs.
+One code path serves CUDA and the CPU, with the device chosen once at start-up; what differs is
+set up here: the default dtype (bfloat16 on CUDA, float32 on the CPU), the CPU-only weight layouts
+and int8 quantizations (cpu_linear.py, quantization.py), and CUDA graphs (padded decode shapes).
 """
 
 from __future__ import annotations
@@ -24,17 +26,17 @@ from server.model.attention import (
     ATTENTION_NAME,
     DecodeStep,
     PagedKVCache,
-    SeqSlice,
     StepContext,
     make_paged_attention,
 )
 from server.model.cpu_linear import TransposedLinear, transpose_linears
+from server.model.packing import pack_step
 from server.model.quantization import (
     quantize_decoder_w8a8,
     quantize_decoder_weights,
     quantized_lm_head,
 )
-from server.work import Row, WorkItem
+from server.work import WorkItem
 
 log = logging.getLogger(__name__)
 _runner_ids = itertools.count()
@@ -191,12 +193,6 @@ class ModelRunner:
     def max_position_embeddings(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
-    def _slots(self, table: list[int], start: int, stop: int) -> torch.Tensor:
-        """Flat cache slots of positions [start, stop) of a sequence with block table `table`."""
-        pos = torch.arange(start, stop)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
-        return blocks * self.block_size + pos % self.block_size
-
     def _run_decoder(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext | DecodeStep
     ) -> torch.Tensor:
@@ -260,26 +256,15 @@ class ModelRunner:
         position_ids = torch.tensor([positions], device=self.device)
         return self._logits(self._decode(input_ids, position_ids, ctx)[:n])
 
-    def _decode_batch(self, seqs: list[Row]) -> DecodeStep:
-        """The attention inputs of sequences that each add their next token."""
-        return DecodeStep.build(
-            [s.block_table for s in seqs],
-            [s.num_computed + 1 for s in seqs],
-            self.block_size,
-            self.device,
-        )
-
     def _decode(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep
     ) -> torch.Tensor:
-        if (
-            self.compile_decode
-        ):  # the context width (>= 2) varies every step: never specialize on it
+        if self.compile_decode:
+            # the context width (>= 2) varies every step: never specialize on it
             torch._dynamo.mark_dynamic(ctx.gather, 1)
             torch._dynamo.mark_dynamic(ctx.positions, 1)
-            if (
-                self.cuda_graphs and self.device.type == "cuda"
-            ):  # each call is a new step: replay may reuse outputs
+            if self.cuda_graphs and self.device.type == "cuda":
+                # each call is a new step: the replay may reuse the previous step's outputs
                 torch.compiler.cudagraph_mark_step_begin()
         return self._run_decode(input_ids, position_ids, ctx)
 
@@ -289,39 +274,8 @@ class ModelRunner:
         self.kv_cache.copy_blocks(copies)
         if items and all(item.num_new == 1 and item.samples for item in items):
             return self._execute_decode(items)
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[torch.Tensor] = []
-        decode_rows: list[tuple[int, Row]] = []  # (packed index, sequence) of one-token rows
-        prefill: list[SeqSlice] = []
-        sample_rows: list[int] = []
-        for item in items:
-            seq, start = item.seq, item.seq.num_computed
-            stop = start + item.num_new
-            first = len(tokens)
-            tokens.extend(seq.token_ids[start:stop])
-            positions.extend(range(start, stop))
-            if item.num_new == 1:
-                slots.append(self._slots(seq.block_table, start, stop))
-                decode_rows.append((first, seq))
-            else:
-                history = self._slots(seq.block_table, 0, stop)
-                slots.append(history[start:])
-                prefill.append(SeqSlice(first, item.num_new, stop, history.to(self.device)))
-            if item.samples:
-                sample_rows.append(len(tokens) - 1)
-        ctx = StepContext(
-            slot_mapping=torch.cat(slots).to(self.device),
-            decode=self._decode_batch([s for _, s in decode_rows]) if decode_rows else None,
-            decode_index=torch.tensor([i for i, _ in decode_rows], device=self.device)
-            if decode_rows
-            else None,
-            prefill=prefill,
-            device=self.device,
-        )
-        input_ids = torch.tensor([tokens], device=self.device)
-        position_ids = torch.tensor([positions], device=self.device)
-        hidden = self._run_decoder(input_ids, position_ids, ctx)
-        if not sample_rows:
+        packed = pack_step(items, self.block_size, self.device)
+        hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
+        if not packed.sample_rows:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-        return self._logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return self._logits(hidden[torch.tensor(packed.sample_rows, device=self.device)])

@@ -1,0 +1,75 @@
+"""Packing a prefill or mixed step: every row's new tokens as one [1, T] sequence for the model.
+
+Rows that add one token attend as one padded decode batch (`DecodeStep`); rows with a prompt chunk
+attend one by one over their gathered history (`SeqSlice`). Decode-only steps take the faster
+path in runner.py and never come here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from server.model.attention import DecodeStep, SeqSlice, StepContext
+from server.work import Row, WorkItem
+
+
+@dataclass
+class PackedStep:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    ctx: StepContext
+    sample_rows: list[int]  # packed index of the last token of each item that samples, in order
+
+
+def slots(table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions [start, stop) of a row with block table `table`."""
+    pos = torch.arange(start, stop)
+    blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+def pack_step(items: Sequence[WorkItem[Row]], block_size: int, device: torch.device) -> PackedStep:
+    tokens: list[int] = []
+    positions: list[int] = []
+    slot_parts: list[torch.Tensor] = []
+    decode_rows: list[tuple[int, Row]] = []  # (packed index, row) of one-token rows
+    prefill: list[SeqSlice] = []
+    sample_rows: list[int] = []
+    for item in items:
+        seq, start = item.seq, item.seq.num_computed
+        stop = start + item.num_new
+        first = len(tokens)
+        tokens.extend(seq.token_ids[start:stop])
+        positions.extend(range(start, stop))
+        if item.num_new == 1:
+            slot_parts.append(slots(seq.block_table, start, stop, block_size))
+            decode_rows.append((first, seq))
+        else:
+            history = slots(seq.block_table, 0, stop, block_size)
+            slot_parts.append(history[start:])
+            prefill.append(SeqSlice(first, item.num_new, stop, history.to(device)))
+        if item.samples:
+            sample_rows.append(len(tokens) - 1)
+    decode = None
+    decode_index = None
+    if decode_rows:
+        rows = [row for _, row in decode_rows]
+        tables = [r.block_table for r in rows]
+        decode = DecodeStep.build(tables, [r.num_computed + 1 for r in rows], block_size, device)
+        decode_index = torch.tensor([i for i, _ in decode_rows], device=device)
+    ctx = StepContext(
+        slot_mapping=torch.cat(slot_parts).to(device),
+        decode=decode,
+        decode_index=decode_index,
+        prefill=prefill,
+        device=device,
+    )
+    return PackedStep(
+        torch.tensor([tokens], device=device),
+        torch.tensor([positions], device=device),
+        ctx,
+        sample_rows,
+    )
