@@ -48,7 +48,28 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
-class Int8WeightOnlyLinear(torch.nn.Module):
+class Int8Linear(torch.nn.Module):
+    """int8 weights [out, in] with per-output-channel scales; subclasses choose the kernel."""
+
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+    scale_dtype = torch.float32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, scales = quantize_per_channel(weight)
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scales", scales.to(self.scale_dtype))
+        self.bias = (
+            None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+
+class Int8WeightOnlyLinear(Int8Linear):
     """A linear layer with int8 weights and per-output-channel scales; activations stay floating.
 
     Runs PyTorch's weight-only int8 kernel (`aten._weight_int8pack_mm`), which takes bfloat16
@@ -57,18 +78,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
     channels survive and a row's result never depends on the other rows of the batch.
     """
 
-    weight_int8: torch.Tensor
-    scales: torch.Tensor
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        q, scales = quantize_per_channel(weight)
-        self.register_buffer("weight_int8", q)
-        self.register_buffer("scales", scales.to(torch.bfloat16))
-        self.bias = (
-            None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
-        )
+    scale_dtype = torch.bfloat16  # what the weight-only kernel takes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -77,30 +87,14 @@ class Int8WeightOnlyLinear(torch.nn.Module):
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return self.weight_int8.float() * self.scales.float()[:, None]
 
-
-class Int8DynamicLinear(torch.nn.Module):
+class Int8DynamicLinear(Int8Linear):
     """int8 weights x int8 activations (one scale per token, computed per call), int32 sums.
 
     Each row is quantized with its own scale, so a row's result never depends on the other rows of
     the batch; the weight is kept [out, in] and read through a transposed view, the layout in which
     `torch._int_mm` is fastest on the CPU.
     """
-
-    weight_int8: torch.Tensor
-    scales: torch.Tensor
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        q, scales = quantize_per_channel(weight)
-        self.register_buffer("weight_int8", q)
-        self.register_buffer("scales", scales)
-        self.bias = (
-            None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
-        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
