@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 Strategy = Literal["greedy", "sample", "beam", "group_beam", "beam_sample", "best_of"]
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 EarlyStopping = bool | Literal["never"]
 
 BEAM_STRATEGIES: frozenset[str] = frozenset({"beam", "group_beam", "beam_sample"})

@@ -14,6 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from server.model.devices import DType
+from server.model.quantization import Quantization
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -49,8 +52,8 @@ class ServerConfig(BaseModel):
     served_model_name: str | None = None
     cache_dir: Path | None = None
     device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int8", "int8-weights", "w8a8"] = "none"
+    dtype: DType = "auto"
+    quantization: Quantization = "none"
     linear_layout: Literal["auto", "transposed", "native"] = Field(
         "auto", description="weights of linear layers; auto = transposed on CPU, native on CUDA"
     )

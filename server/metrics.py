@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-STRATEGIES = ("greedy", "sample", "beam", "group_beam", "beam_sample", "best_of")
+from decoding.params import STRATEGIES
+
 FAILURE_REASONS = ("validation", "aborted", "overloaded", "internal")
 FINISHED_REASONS = ("stop", "length")
 UNKNOWN_STRATEGY = "unknown"  # a failure before the request was parsed
