@@ -75,7 +75,7 @@ class DecodingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "bad_words_ids", _normalise_bad_words(self.bad_words_ids))
-        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        object.__setattr__(self, "logit_bias", parse_logit_bias(self.logit_bias))
         self._check_values()
         self._check_combinations()
 
@@ -233,9 +233,7 @@ class DecodingParams:
     @property
     def width(self) -> int:
         """Rows the request occupies in a decode step once its prompt is prefilled."""
-        if self.num_beams > 1:
-            return self.num_beams
-        return max(self.n, self.best_of or 0)
+        return request_width(self.n, self.best_of, self.num_beams)
 
     def finishing_ids(self, eos_ids: frozenset[int] | set[int] | tuple[int, ...]) -> frozenset[int]:
         """Token ids that end a sequence: `stop_token_ids` plus the model's EOS unless ignored."""
@@ -245,36 +243,28 @@ class DecodingParams:
         return frozenset(ids)
 
 
-def check_caps(
-    params: DecodingParams,
-    max_width: int,
-    max_logprobs: int,
-    vocab_size: int | None = None,
-) -> None:
-    """Server-configured limits (rows per request, logprobs) and token ids inside the vocabulary."""
-    if params.width > max_width:
-        name = (
-            "num_beams"
-            if params.num_beams > 1
-            else ("best_of" if params.strategy == "best_of" else "n")
-        )
-        raise DecodingParamsError(name, f"{name} must be <= {max_width} on this server")
-    if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise DecodingParamsError("logprobs", f"logprobs must be <= {max_logprobs} on this server")
-    if vocab_size is not None:
-        for name, ids in (
-            ("logit_bias", params.logit_bias.keys()),
-            ("stop_token_ids", params.stop_token_ids),
-            ("bad_words_ids", [t for seq in params.bad_words_ids for t in seq]),
-        ):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise DecodingParamsError(
-                    name, f"token id {bad[0]} is out of the vocabulary (size {vocab_size})"
-                )
+def request_width(n: int, best_of: int | None, num_beams: int) -> int:
+    """`DecodingParams.width` from its three fields, for a front end that needs it before the
+    request's parameters are complete (its default max_tokens depends on the width)."""
+    return num_beams if num_beams > 1 else max(n, best_of or 0)
 
 
-def _normalise_logit_bias(raw: object) -> dict[int, float]:
+def check_vocab(params: DecodingParams, vocab_size: int) -> None:
+    """Token ids the request names (bias, stop, bad words) must be inside the model's vocabulary."""
+    for name, ids in (
+        ("logit_bias", params.logit_bias.keys()),
+        ("stop_token_ids", params.stop_token_ids),
+        ("bad_words_ids", [t for seq in params.bad_words_ids for t in seq]),
+    ):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise DecodingParamsError(
+                name, f"token id {bad[0]} is out of the vocabulary (size {vocab_size})"
+            )
+
+
+def parse_logit_bias(raw: object) -> dict[int, float]:
+    """A JSON logit_bias (string keys, or None) -> {token id: bias}; DecodingParamsError if not."""
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
