@@ -17,7 +17,7 @@ Strategy rules (`DecodingParams.strategy`), first match wins:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -235,7 +235,7 @@ class DecodingParams:
         """Rows the request occupies in a decode step once its prompt is prefilled."""
         return request_width(self.n, self.best_of, self.num_beams)
 
-    def finishing_ids(self, eos_ids: frozenset[int] | set[int] | tuple[int, ...]) -> frozenset[int]:
+    def finishing_ids(self, eos_ids: Iterable[int]) -> frozenset[int]:
         """Token ids that end a sequence: `stop_token_ids` plus the model's EOS unless ignored."""
         ids = set(self.stop_token_ids)
         if not self.ignore_eos:
@@ -286,9 +286,9 @@ def parse_logit_bias(raw: object) -> dict[int, float]:
     return out
 
 
-def _normalise_bad_words(raw: object) -> tuple[tuple[int, ...], ...]:
-    try:
-        return tuple(tuple(seq) for seq in raw)  # type: ignore[union-attr]
+def _normalise_bad_words(raw: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    try:  # the annotation is the contract; callers may still pass anything
+        return tuple(tuple(seq) for seq in raw)
     except TypeError:
         raise DecodingParamsError(
             "bad_words_ids", "bad_words_ids must be a list of token id lists"

@@ -95,9 +95,9 @@ class Metrics:
         for strategy in STRATEGIES:
             for finished in FINISHED_REASONS:
                 self._success.labels(model_name, finished, strategy)
-        for strategy in (*STRATEGIES, UNKNOWN_STRATEGY):
+        for strategy_label in (*STRATEGIES, UNKNOWN_STRATEGY):
             for reason in FAILURE_REASONS:
-                self._failure.labels(model_name, reason, strategy)
+                self._failure.labels(model_name, reason, strategy_label)
 
     def set_scheduler_state(self, *, running: int, waiting: int, kv_cache_usage: float) -> None:
         if not 0.0 <= kv_cache_usage <= 1.0:

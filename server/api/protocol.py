@@ -15,7 +15,8 @@ def new_id(prefix: str) -> str:
 
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do for forward compatibility.
-    # Strict types: "0.5" is not a temperature and true is not a token count (ints still pass as floats).
+    # Strict types: "0.5" is not a temperature and true is not a token count (ints still pass as
+    # floats).
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
