@@ -113,9 +113,9 @@ def create_app(
     state = ServingState(config)
     state.ctx = ctx
 
-    def load() -> None:
+    def load(build: Callable[[], ServingContext]) -> None:
         try:
-            state.ctx = loader()  # type: ignore[misc]
+            state.ctx = build()
         except BaseException as exc:
             log.exception("model failed to load")
             state.load_error = exc
@@ -123,7 +123,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if loader is not None and state.ctx is None:
-            threading.Thread(target=load, name="beamline-loader", daemon=True).start()
+            threading.Thread(
+                target=load, args=(loader,), name="beamline-loader", daemon=True
+            ).start()
         yield
         if state.ctx is not None:
             await asyncio.to_thread(state.ctx.engine.shutdown)

@@ -80,8 +80,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(p, str):
             return [p]
         if p and all(isinstance(x, int) for x in p):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+            return [p]  # type: ignore[list-item]  # all() has checked: p is one prompt of ids
+        return list(p)  # type: ignore[arg-type]  # a list of texts or of id lists
 
 
 class TextPart(OpenAIModel):
