@@ -125,7 +125,8 @@ def format_beam_case(res: dict) -> str:
     def row(name: str, r: dict) -> str:
         kv = r["kv_blocks_used_peak_sampled"]
         return (
-            f"  {name:<8} status {r['status']}  {r['seconds']:.2f} s  tokens {r.get('completion_tokens', '-')}"
+            f"  {name:<8} status {r['status']}  {r['seconds']:.2f} s  "
+            f"tokens {r.get('completion_tokens', '-')}"
             f"  KV blocks peak {kv if kv is not None else '-'}"
             f" (server peak since start {r['peak_kv_blocks_used_since_start'] or '-'})"
         )

@@ -1,6 +1,7 @@
 """Streaming client for any OpenAI-compatible `/v1/completions`, and the two load patterns.
 
-Closed loop (`run_concurrency`): exactly `concurrency` requests in flight until the workload is done.
+Closed loop (`run_concurrency`): exactly `concurrency` requests in flight until the workload is
+done.
 Open loop (`run_poisson`): requests start at seeded Poisson arrival times whatever the server does.
 """
 
@@ -140,7 +141,7 @@ def _chunk_text(payload: dict) -> str:
 async def run_concurrency(
     target: CompletionTarget, requests: Sequence[BenchRequest], concurrency: int, desc: str = ""
 ) -> tuple[list[RequestResult], float]:
-    """Closed loop: `concurrency` workers take requests in workload order. Returns results, wall time."""
+    """Closed loop: `concurrency` workers take requests in workload order; results, wall time."""
     queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
     for r in requests:
         queue.put_nowait(r)

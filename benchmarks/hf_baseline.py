@@ -135,7 +135,7 @@ def run_static_batches(
     ignore_eos: bool = True,
     desc: str = "",
 ) -> tuple[list[RequestResult], float]:
-    """Consecutive batches of `batch_size` requests in workload order. Returns results, wall time."""
+    """Consecutive batches of `batch_size` requests in workload order; results, wall time."""
     results: list[RequestResult] = []
     bar = tqdm(
         total=len(requests), desc=desc or f"hf static b={batch_size}", unit="req", leave=False
@@ -151,5 +151,5 @@ def run_static_batches(
 
 
 def warmup(hf: HFModel) -> None:
-    """One tiny generate() so one-time costs (allocator, kernels) don't land on the first request."""
+    """One tiny generate(), so one-time costs (allocator, kernels) miss the first request."""
     _generate(hf, [BenchRequest(-1, "Hello", 4)], ignore_eos=True)

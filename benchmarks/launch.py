@@ -87,7 +87,7 @@ def _tail(path: Path, lines: int = 30) -> str:
 def launched_beamline(
     model: str | None, log_path: Path, extra_args: Sequence[str] = (), timeout_s: float = 600.0
 ) -> Iterator[tuple[str, float]]:
-    """Yield (base_url, seconds to healthy) of a fresh beamline server; its output goes to `log_path`."""
+    """Yield (base_url, seconds to healthy) of a fresh beamline server; output to `log_path`."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd = beamline_command(port, model, extra_args)

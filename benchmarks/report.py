@@ -185,7 +185,8 @@ def format_report(doc: dict) -> str:
             out.append(f"  {name}: {info['info']['note']}")
     if doc["ratios"]:
         out.append(
-            f"\n{doc['system_under_test']} vs baselines (> 1 means {doc['system_under_test']} is better):"
+            f"\n{doc['system_under_test']} vs baselines "
+            f"(> 1 means {doc['system_under_test']} is better):"
         )
         out.append(
             _table(
@@ -206,7 +207,8 @@ def format_report(doc: dict) -> str:
     out.append(f"\nPeers ({RECORDED_NOTE}; design notes §3, default model, full default workload):")
     if doc["recorded_peers"] and not doc["recorded_peers"][0]["comparable"]:
         out.append(
-            "  this run used another model or workload: no ratio, the figures are for orientation only"
+            "  this run used another model or workload: no ratio, the figures are for "
+            "orientation only"
         )
     out.append(
         _table(

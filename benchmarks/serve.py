@@ -45,6 +45,7 @@ from benchmarks.workload import (
     synthetic_workload,
     with_shared_prefix,
 )
+from server.model.devices import DTYPES
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 ALL_BASELINES = ("hf-static", "hf-sequential", "llama-cpp")
@@ -187,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     base.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16"],
+        choices=[d for d in DTYPES if d != "auto"],  # HF's from_pretrained takes the names
         help="HF baselines' dtype, also passed to a launched beamline (default float32)",
     )
     base.add_argument(
@@ -272,7 +273,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return with_shared_prefix(workload, args.shared_prefix_words, args.seed)
 
 
-# ---- the system under test ---------------------------------------------------------------------------
+# ---- the system under test -----------------------------------------------------------------------
 async def bench_server(
     args: argparse.Namespace, target: CompletionTarget, workload: Workload, label: str | None = None
 ) -> SystemResult:
@@ -313,11 +314,12 @@ async def bench_server(
     return result
 
 
-# ---- baselines --------------------------------------------------------------------------------------
+# ---- baselines -----------------------------------------------------------------------------------
 def run_baselines(
     args: argparse.Namespace, workload: Workload, phases: dict[str, float]
 ) -> tuple[list[SystemResult], dict[str, str]]:
-    """Run the chosen baselines one after the other; `phases` gets each one's wall time (load included)."""
+    """Run the chosen baselines one after the other; `phases` gets each one's wall time (load
+    included)."""
     systems: list[SystemResult] = []
     skipped: dict[str, str] = {}
     reqs = list(workload.requests)
@@ -387,7 +389,8 @@ def run_baselines(
                         "n_threads": args.llama_threads,
                         "load_s": runner.load_s,
                         "version": runner.version,
-                        "note": "llama-cpp-python, one request at a time: a weaker peer than llama-server",
+                        "note": "llama-cpp-python, one request at a time: "
+                        "a weaker peer than llama-server",
                     },
                 )
             )
@@ -395,7 +398,7 @@ def run_baselines(
     return systems, skipped
 
 
-# ---- the run ---------------------------------------------------------------------------------------
+# ---- the run -------------------------------------------------------------------------------------
 def machine_info() -> dict:
     info = {
         "python": platform.python_version(),
@@ -412,7 +415,7 @@ def machine_info() -> dict:
 
 
 def _loadavg() -> float | None:
-    """1-minute load average: other work on the machine shows up here (the numbers are then noisy)."""
+    """1-minute load average: other work on the machine shows up here (numbers are then noisy)."""
     try:
         return os.getloadavg()[0]
     except OSError:
@@ -466,7 +469,7 @@ def measure_server(
 
 
 def measure_variants(args: argparse.Namespace, workload: Workload) -> list[SystemResult]:
-    """Each --compare-beamline configuration, launched in turn on the same workload and load levels."""
+    """Each --compare-beamline configuration, launched in turn on the same workload and loads."""
     systems = []
     for label, flags in args.variants:
         extra = ["--dtype", args.dtype, *shlex.split(flags)]

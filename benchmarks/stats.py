@@ -4,7 +4,8 @@ Definitions follow vLLM's `bench serve`, so numbers are comparable with what it 
 - TTFT: request sent -> first chunk carrying output text.
 - TPOT: (E2EL - TTFT) / (output_tokens - 1), per request with more than one output token.
 - ITL: every gap between two successive chunks carrying text, pooled over all requests. A chunk may
-  carry several tokens (then ITL > TPOT); empty chunks (role, usage, a bare finish_reason) don't count.
+  carry several tokens (then ITL > TPOT); empty chunks (role, usage, a bare finish_reason) don't
+  count.
 - E2EL: request sent -> end of the response stream.
 - Throughputs divide totals of successful requests by the wall time of the whole run.
 Percentiles interpolate linearly between order statistics (numpy's default method).
@@ -21,7 +22,7 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass
 class RequestResult:
-    """What one request did. Times in seconds; `itl` lists the gaps between token-carrying chunks."""
+    """What one request did. Times in seconds; `itl`: the gaps between token-carrying chunks."""
 
     index: int = 0
     success: bool = False

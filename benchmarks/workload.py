@@ -80,7 +80,7 @@ def synthetic_workload(
     output_tokens: tuple[int, int] = (32, 128),
     seed: int = 0,
 ) -> Workload:
-    """Seeded random prompts of `prompt_words` words and uniform output lengths (design notes §3)."""
+    """Seeded random prompts of `prompt_words` words, uniform output lengths (design notes §3)."""
     _check_range("prompt_words", prompt_words)
     _check_range("output_tokens", output_tokens)
     rng = random.Random(seed)
@@ -133,7 +133,7 @@ def prompts_workload(
     seed: int = 0,
     path: Path = BUNDLED_PROMPTS,
 ) -> Workload:
-    """The bundled (or a given) prompt set, shuffled with `seed`, cycled if more requests are asked."""
+    """The bundled (or a given) prompt set, shuffled with `seed`, cycled for more requests."""
     _check_range("output_tokens", output_tokens)
     rng = random.Random(seed)
     prompts = load_prompts(path)

@@ -9,9 +9,9 @@ import torch
 from decoding.beam_search import BeamSearch, BeamStep, Hypothesis, step_beam_searches
 from decoding.group_beam import GroupBeamSearch
 from decoding.logprobs import TokenLogprobs, token_logprobs
-from decoding.params import DecodingParams, DecodingParamsError, check_caps
+from decoding.params import DecodingParams, DecodingParamsError, check_vocab, request_width
 from decoding.ranking import rank_samples
-from decoding.sampling import SamplingTensors, choose_tokens, process_logits, sample_next_tokens
+from decoding.sampling import SamplingTensors, choose_tokens, process_logits
 
 
 def make_beam_search(
@@ -36,12 +36,12 @@ __all__ = [
     "Hypothesis",
     "SamplingTensors",
     "TokenLogprobs",
-    "check_caps",
+    "check_vocab",
     "choose_tokens",
     "make_beam_search",
     "process_logits",
     "rank_samples",
-    "sample_next_tokens",
+    "request_width",
     "step_beam_searches",
     "token_logprobs",
 ]

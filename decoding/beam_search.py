@@ -268,12 +268,9 @@ class BeamSearch:
         limit = (
             params.max_tokens if max_new_tokens is None else min(max_new_tokens, params.max_tokens)
         )
+        finishing = params.finishing_ids(eos_ids)
         self.group = BeamGroup(
-            params.num_beams,
-            params.finishing_ids(eos_ids),
-            params.length_penalty,
-            params.early_stopping,
-            max(1, limit),
+            params.num_beams, finishing, params.length_penalty, params.early_stopping, max(1, limit)
         )
 
     @property

@@ -17,11 +17,12 @@ Strategy rules (`DecodingParams.strategy`), first match wins:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 Strategy = Literal["greedy", "sample", "beam", "group_beam", "beam_sample", "best_of"]
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 EarlyStopping = bool | Literal["never"]
 
 BEAM_STRATEGIES: frozenset[str] = frozenset({"beam", "group_beam", "beam_sample"})
@@ -74,7 +75,7 @@ class DecodingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "bad_words_ids", _normalise_bad_words(self.bad_words_ids))
-        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        object.__setattr__(self, "logit_bias", parse_logit_bias(self.logit_bias))
         self._check_values()
         self._check_combinations()
 
@@ -232,11 +233,9 @@ class DecodingParams:
     @property
     def width(self) -> int:
         """Rows the request occupies in a decode step once its prompt is prefilled."""
-        if self.num_beams > 1:
-            return self.num_beams
-        return max(self.n, self.best_of or 0)
+        return request_width(self.n, self.best_of, self.num_beams)
 
-    def finishing_ids(self, eos_ids: frozenset[int] | set[int] | tuple[int, ...]) -> frozenset[int]:
+    def finishing_ids(self, eos_ids: Iterable[int]) -> frozenset[int]:
         """Token ids that end a sequence: `stop_token_ids` plus the model's EOS unless ignored."""
         ids = set(self.stop_token_ids)
         if not self.ignore_eos:
@@ -244,36 +243,28 @@ class DecodingParams:
         return frozenset(ids)
 
 
-def check_caps(
-    params: DecodingParams,
-    max_width: int,
-    max_logprobs: int,
-    vocab_size: int | None = None,
-) -> None:
-    """Server-configured limits (rows per request, logprobs) and token ids inside the vocabulary."""
-    if params.width > max_width:
-        name = (
-            "num_beams"
-            if params.num_beams > 1
-            else ("best_of" if params.strategy == "best_of" else "n")
-        )
-        raise DecodingParamsError(name, f"{name} must be <= {max_width} on this server")
-    if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise DecodingParamsError("logprobs", f"logprobs must be <= {max_logprobs} on this server")
-    if vocab_size is not None:
-        for name, ids in (
-            ("logit_bias", params.logit_bias.keys()),
-            ("stop_token_ids", params.stop_token_ids),
-            ("bad_words_ids", [t for seq in params.bad_words_ids for t in seq]),
-        ):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise DecodingParamsError(
-                    name, f"token id {bad[0]} is out of the vocabulary (size {vocab_size})"
-                )
+def request_width(n: int, best_of: int | None, num_beams: int) -> int:
+    """`DecodingParams.width` from its three fields, for a front end that needs it before the
+    request's parameters are complete (its default max_tokens depends on the width)."""
+    return num_beams if num_beams > 1 else max(n, best_of or 0)
 
 
-def _normalise_logit_bias(raw: object) -> dict[int, float]:
+def check_vocab(params: DecodingParams, vocab_size: int) -> None:
+    """Token ids the request names (bias, stop, bad words) must be inside the model's vocabulary."""
+    for name, ids in (
+        ("logit_bias", params.logit_bias.keys()),
+        ("stop_token_ids", params.stop_token_ids),
+        ("bad_words_ids", [t for seq in params.bad_words_ids for t in seq]),
+    ):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise DecodingParamsError(
+                name, f"token id {bad[0]} is out of the vocabulary (size {vocab_size})"
+            )
+
+
+def parse_logit_bias(raw: object) -> dict[int, float]:
+    """A JSON logit_bias (string keys, or None) -> {token id: bias}; DecodingParamsError if not."""
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
@@ -295,9 +286,9 @@ def _normalise_logit_bias(raw: object) -> dict[int, float]:
     return out
 
 
-def _normalise_bad_words(raw: object) -> tuple[tuple[int, ...], ...]:
-    try:
-        return tuple(tuple(seq) for seq in raw)  # type: ignore[union-attr]
+def _normalise_bad_words(raw: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    try:  # the annotation is the contract; callers may still pass anything
+        return tuple(tuple(seq) for seq in raw)
     except TypeError:
         raise DecodingParamsError(
             "bad_words_ids", "bad_words_ids must be a list of token id lists"

@@ -7,8 +7,6 @@ sampled and beam rows of many requests. The engine drives it as:
     scores = process_logits(logits, t)           # processors, then warpers on sampling rows
     tokens = choose_tokens(scores, t, generators)  # argmax / draw; beam rows: see beam_search.py
 
-`sample_next_tokens(logits, t, generators)` does both last lines in one call.
-
 Beam rows (strategy beam, group_beam, beam_sample) come out of `process_logits` as processed
 *log-probabilities*: HF applies processors to `log_softmax(logits)` in beam search but to raw
 logits when sampling or greedy, and the two differ (the repetition penalty scales by sign).
@@ -151,12 +149,3 @@ def choose_tokens(
     drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
     tokens[t.sample_rows] = drawn.clamp_(max=scores.shape[-1] - 1)  # a fully banned row: no crash
     return tokens
-
-
-def sample_next_tokens(
-    logits: torch.Tensor,
-    t: SamplingTensors,
-    generators: Sequence[torch.Generator | None],
-) -> torch.Tensor:
-    """`choose_tokens(process_logits(logits, t), t, generators)`: raw logits in, [R] tokens out."""
-    return choose_tokens(process_logits(logits, t), t, generators)

@@ -93,9 +93,14 @@ def apply_warpers_(scores: torch.Tensor, t: WarperTensors | None) -> torch.Tenso
     if t.top_k is not None:
         rp = t.top_k
         scores[rp.rows] = top_k_warp(scores[rp.rows], rp.values, rp.min_keep)
-    for warp, rp in ((top_p_warp, t.top_p), (min_p_warp, t.min_p), (typical_warp, t.typical_p)):
-        if rp is not None:
-            scores[rp.rows] = on_support(warp, scores[rp.rows], rp.values, rp.min_keep)
+    for warp, sorted_rp in (
+        (top_p_warp, t.top_p),
+        (min_p_warp, t.min_p),
+        (typical_warp, t.typical_p),
+    ):
+        if sorted_rp is not None:
+            rows = sorted_rp.rows
+            scores[rows] = on_support(warp, scores[rows], sorted_rp.values, sorted_rp.min_keep)
     return scores
 
 

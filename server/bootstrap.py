@@ -14,8 +14,9 @@ from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
 from server.metrics import Metrics
+from server.model.devices import pick_device, pick_dtype
 from server.model.loader import resolve_model_dir, served_model_name
-from server.model.runner import ModelRunner, pick_device, pick_dtype
+from server.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -4,86 +4,75 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
-from server.config import ConfigError, load_config
+from pydantic import BeforeValidator
+from pydantic.fields import FieldInfo
+
+from server.config import ConfigError, ServerConfig, load_config
 from server.logs import setup_logging
+
+# Request limits are set in the config file or by env var only.
+CONFIG_ONLY_KEYS = frozenset(
+    {
+        "max_n",
+        "max_best_of",
+        "max_num_beams",
+        "max_logprobs",
+        "max_stop_sequences",
+        "max_prompts_per_request",
+    }
+)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """`--config`, then a flag per `ServerConfig` key: `--max-num-seqs` sets `max_num_seqs`, with
+    the key's description as help and its type and choices. A flag given overrides the config file
+    and env vars; one left out leaves them alone (every flag defaults to None)."""
     p.add_argument("--config", type=Path, help="YAML config file (see configs/default.yaml)")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000)")
-    p.add_argument("--model", help="HF model directory or .gguf file (default: Gemma 3 270M)")
-    p.add_argument("--served-model-name", help="model id reported by the API")
-    p.add_argument("--cache-dir", type=Path, help="where converted GGUF models are kept")
-    p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--quantization",
-        choices=["none", "int8", "int8-weights", "w8a8"],
-        help="CPU only. int8: int8 LM head; int8-weights: also weight-only int8 decoder layers; "
-        "w8a8: int8 LM head, decoder layers as int8 x int8 GEMMs (per-token activation scales)",
-    )
-    p.add_argument(
-        "--linear-layout",
-        choices=["auto", "transposed", "native"],
-        help="linear weights stored [in, out] (transposed: faster small-batch GEMMs on CPU) or as loaded",
-    )
-    p.add_argument(
-        "--num-threads", type=int, help="CPU threads of a model step (default: one per core)"
-    )
-    p.add_argument(
-        "--torch-compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile the decode step at start-up (default off)",
-    )
-    p.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with --torch-compile on CUDA, replay decode steps as CUDA graphs (default on)",
-    )
-    p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
-    p.add_argument("--kv-cache-memory", help="KV pool size, e.g. 1GiB")
-    p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides memory)")
-    p.add_argument("--max-num-seqs", type=int, help="sequences running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
-    p.add_argument("--max-model-len", type=int, help="context length cap")
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse the KV blocks of prompt prefixes seen before (default on)",
-    )
-    p.add_argument(
-        "--max-waiting-requests", type=int, help="queued requests beyond running; then 503"
-    )
-    p.add_argument("--drain-timeout", type=float, help="seconds in-flight requests get on SIGTERM")
-    p.add_argument(
-        "--api-key",
-        dest="api_keys",
-        action="append",
-        help="require this Bearer key (repeatable; env BEAMLINE_API_KEYS=a,b)",
-    )
-    p.add_argument("--api-key-file", type=Path, help="file with one API key per line")
-    p.add_argument(
-        "--public-path",
-        dest="public_paths",
-        action="append",
-        help="path served without a key (repeatable; default /health /ready /metrics)",
-    )
-    p.add_argument(
-        "--cors-allow-origin",
-        dest="cors_allow_origins",
-        action="append",
-        help="enable CORS for this origin (repeatable)",
-    )
-    p.add_argument("--max-body-bytes", help="request body limit, e.g. 4MiB (413 beyond)")
-    p.add_argument("--max-header-bytes", type=int, help="request header limit")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", choices=["text", "json"])
+    for name, info in ServerConfig.model_fields.items():
+        if name not in CONFIG_ONLY_KEYS:
+            _add_config_flag(p, name, info)
+
+
+def _add_config_flag(p: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
+    """One flag for config key `name`; a list key takes a repeatable singular flag (--api-key)."""
+    kind = _without_none(info.annotation)
+    default = info.get_default(call_default_factory=True)
+    flag = "--" + name.replace("_", "-")
+    kwargs: dict[str, Any] = {"dest": name, "help": _help(info.description, default)}
+    if kind is bool:
+        kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+    elif typing.get_origin(kind) is list:
+        flag = flag.removesuffix("s")
+        kwargs.update(action="append")
+    elif typing.get_origin(kind) is typing.Literal:
+        kwargs.update(choices=list(typing.get_args(kind)))
+    elif kind is not str and not any(isinstance(m, BeforeValidator) for m in info.metadata):
+        kwargs.update(type=kind)  # keys with their own parser (sizes like 1GiB) take the text
+    p.add_argument(flag, **kwargs)
+
+
+def _without_none(annotation: Any) -> Any:
+    """`int | None` -> int; other annotations unchanged."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _help(description: str | None, default: object) -> str:
+    text = (description or "").replace("%", "%%")  # argparse formats help with %
+    if isinstance(default, bool):
+        return f"{text} (default {'on' if default else 'off'})"
+    if isinstance(default, list):
+        shown = " ".join(str(x) for x in default)
+        return f"{text} (repeatable{'; default ' + shown if shown else ''})"
+    return text if default is None else f"{text} (default {default})"
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -94,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"beamline: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
-    from server.http_server import run_server  # heavy imports (torch) only when serving
+    from server.http_server import run_server  # heavy imports (the model side) only when serving
 
     run_server(config)
     return 0

@@ -9,10 +9,21 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from server.model.devices import DType
+from server.model.quantization import Quantization
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -40,22 +51,36 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+ByteSize = Annotated[int, BeforeValidator(parse_size)]  # a byte count or a size such as 1GiB
+
+
 class ServerConfig(BaseModel):
+    """Every setting of the server; each `description` is also its `beamline serve --help` text."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    model: str | None = Field(None, description="HF model directory or .gguf file; empty = default")
-    served_model_name: str | None = None
-    cache_dir: Path | None = None
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int8", "int8-weights", "w8a8"] = "none"
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=1, le=65535, description="port")
+    model: str | None = Field(
+        None, description="HF model directory or .gguf file; empty = default (Gemma 3 270M)"
+    )
+    served_model_name: str | None = Field(None, description="model id reported by the API")
+    cache_dir: Path | None = Field(None, description="where converted GGUF models are kept")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: DType = Field("auto", description="auto = bfloat16 on CUDA, float32 on the CPU")
+    quantization: Quantization = Field(
+        "none",
+        description="CPU only. int8: int8 LM head; int8-weights: also weight-only int8 decoder "
+        "layers; w8a8: int8 LM head, decoder layers as int8 x int8 GEMMs (per-token activation "
+        "scales)",
+    )
     linear_layout: Literal["auto", "transposed", "native"] = Field(
-        "auto", description="weights of linear layers; auto = transposed on CPU, native on CUDA"
+        "auto",
+        description="linear weights stored [in, out] (transposed: faster small-batch GEMMs on "
+        "CPU) or as loaded (native); auto = transposed on CPU, native on CUDA",
     )
     num_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads for the CPU step; empty = one per core"
+        None, ge=1, description="CPU threads of a model step (torch intra-op); empty = one per core"
     )
     torch_compile: bool = Field(
         False,
@@ -63,40 +88,50 @@ class ServerConfig(BaseModel):
     )
     cuda_graphs: bool = Field(
         True,
-        description="with torch_compile on CUDA: pad decode steps to bucketed shapes, replay CUDA graphs",
+        description="with torch_compile on CUDA: pad decode steps to bucketed shapes, replay them "
+        "as CUDA graphs",
     )
-    block_size: int = Field(16, ge=1, le=1024)
-    kv_cache_memory: int = Field(1024**3, gt=0, description="bytes for the KV pool, e.g. 1GiB")
-    num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory")
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
+    kv_cache_memory: ByteSize = Field(1024**3, gt=0, description="KV pool size, e.g. 1GiB")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV pool size in blocks (overrides kv_cache_memory)"
+    )
+    max_num_seqs: int = Field(64, ge=1, description="sequences running at once")
+    max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one engine step")
+    max_model_len: int | None = Field(None, ge=1, description="context length cap")
     enable_prefix_caching: bool = Field(
-        True, description="reuse KV blocks of shared prompt prefixes"
+        True, description="reuse the KV blocks of prompt prefixes seen before"
     )
-    max_n: int = Field(16, ge=1)
-    max_best_of: int = Field(16, ge=1)
-    max_num_beams: int = Field(16, ge=1)
-    max_logprobs: int = Field(20, ge=0)
-    max_stop_sequences: int = Field(16, ge=0)
-    max_prompts_per_request: int = Field(16, ge=1)
-    max_waiting_requests: int = Field(256, ge=0, description="queue beyond running; then 503")
+    max_n: int = Field(16, ge=1, description="largest n (choices) a request may ask for")
+    max_best_of: int = Field(16, ge=1, description="largest best_of a request may ask for")
+    max_num_beams: int = Field(16, ge=1, description="largest num_beams a request may ask for")
+    max_logprobs: int = Field(20, ge=0, description="most top logprobs a request may ask for")
+    max_stop_sequences: int = Field(16, ge=0, description="most stop strings per request")
+    max_prompts_per_request: int = Field(16, ge=1, description="most prompts per completion")
+    max_waiting_requests: int = Field(
+        256, ge=0, description="queued requests beyond running; then 503"
+    )
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds in-flight requests get on SIGTERM"
     )
-    api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="require this Bearer key (env BEAMLINE_API_KEYS=a,b); empty = no auth",
+    )
     api_key_file: Path | None = Field(None, description="file with one API key per line")
-    public_paths: list[str] = Field(default_factory=lambda: ["/health", "/ready", "/metrics"])
-    cors_allow_origins: list[str] = Field(default_factory=list, description="empty = CORS off")
-    max_body_bytes: int = Field(4 * 1024**2, gt=0)
-    max_header_bytes: int = Field(16 * 1024, ge=1024)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["text", "json"] = "text"
-
-    @field_validator("kv_cache_memory", "max_body_bytes", mode="before")
-    @classmethod
-    def _size(cls, v: Any) -> int:
-        return parse_size(v)
+    public_paths: list[str] = Field(
+        default_factory=lambda: ["/health", "/ready", "/metrics"],
+        description="path served without a key",
+    )
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description="enable CORS for this origin; empty = CORS off"
+    )
+    max_body_bytes: ByteSize = Field(
+        4 * 1024**2, gt=0, description="request body limit, e.g. 4MiB (413 beyond)"
+    )
+    max_header_bytes: int = Field(16 * 1024, ge=1024, description="request header limit")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["text", "json"] = Field("text", description="log line format")
 
     @field_validator("api_keys", "public_paths", "cors_allow_origins", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Logging set-up: plain text or one JSON object per line, carrying the request id when there is one."""
+"""Logging set-up: plain text or one JSON object per line, with the request id when there is one."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-STRATEGIES = ("greedy", "sample", "beam", "group_beam", "beam_sample", "best_of")
+from decoding.params import STRATEGIES
+
 FAILURE_REASONS = ("validation", "aborted", "overloaded", "internal")
 FINISHED_REASONS = ("stop", "length")
 UNKNOWN_STRATEGY = "unknown"  # a failure before the request was parsed
@@ -94,9 +95,9 @@ class Metrics:
         for strategy in STRATEGIES:
             for finished in FINISHED_REASONS:
                 self._success.labels(model_name, finished, strategy)
-        for strategy in (*STRATEGIES, UNKNOWN_STRATEGY):
+        for strategy_label in (*STRATEGIES, UNKNOWN_STRATEGY):
             for reason in FAILURE_REASONS:
-                self._failure.labels(model_name, reason, strategy)
+                self._failure.labels(model_name, reason, strategy_label)
 
     def set_scheduler_state(self, *, running: int, waiting: int, kv_cache_usage: float) -> None:
         if not 0.0 <= kv_cache_usage <= 1.0:

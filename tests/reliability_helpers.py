@@ -32,7 +32,8 @@ def param_matches(actual: str | None, expected: str) -> bool:
 
 
 def check_error_shape(response: httpx.Response) -> dict[str, Any]:
-    """The body is OpenAI's `{"error": {"message", "type", "param", "code"}}`; returns the inner dict."""
+    """The body is OpenAI's `{"error": {"message", "type", "param", "code"}}`; returns the inner
+    dict."""
     try:
         body = response.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

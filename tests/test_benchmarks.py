@@ -38,7 +38,7 @@ from tests.live_server import live_server
 TOKEN_DELAY_S = 0.002
 
 
-# ---- a fake OpenAI-compatible streaming server -----------------------------------------------------
+# ---- a fake OpenAI-compatible streaming server ---------------------------------------------------
 def fake_openai_app(
     *, send_usage: bool = True, with_stats: bool = False, api_key: str | None = None
 ) -> FastAPI:
@@ -122,7 +122,7 @@ def fake_url() -> Iterator[str]:
         yield url
 
 
-# ---- stats -----------------------------------------------------------------------------------------
+# ---- stats ---------------------------------------------------------------------------------------
 def test_percentile_interpolates_linearly_like_numpy() -> None:
     values = [10.0, 1.0, 4.0, 3.0, 2.0]  # sorted: 1 2 3 4 10
     assert percentile(values, 0) == 1.0
@@ -218,7 +218,7 @@ def test_static_batch_counts_only_each_requests_own_tokens() -> None:
     assert own_length([5, 6, 7], 8, eos_ids=(1,), ignore_eos=False) == 3
 
 
-# ---- workloads -------------------------------------------------------------------------------------
+# ---- workloads -----------------------------------------------------------------------------------
 def test_synthetic_workload_is_seeded_and_within_ranges() -> None:
     w = synthetic_workload(48, (8, 48), (32, 128), seed=3)
     assert w == synthetic_workload(48, (8, 48), (32, 128), seed=3)
@@ -263,7 +263,7 @@ def test_bundled_prompt_set() -> None:
     assert len(w.requests) == 60 and {r.prompt for r in w.requests} == set(prompts)
 
 
-# ---- the client against the fake server ------------------------------------------------------------
+# ---- the client against the fake server ----------------------------------------------------------
 def test_streamed_request_counts_tokens_and_times_them(fake_url: str) -> None:
     async def go() -> RequestResult:
         async with make_client(1, 30) as client:
@@ -436,7 +436,7 @@ def test_cli_exit_code_reports_request_errors(tmp_path: Path) -> None:
     )
 
 
-# ---- beam case -------------------------------------------------------------------------------------
+# ---- beam case -----------------------------------------------------------------------------------
 def test_beam_case_without_engine_stats_still_times(fake_url: str) -> None:
     res = asyncio.run(run_beam_case(fake_url, "fake-model", max_tokens=5))
     assert res["greedy"]["status"] == 200 and res["beam"]["status"] == 200
@@ -477,7 +477,7 @@ def test_launch_command_binds_loopback() -> None:
     assert cmd[-2:] == ["--dtype", "float32"]
 
 
-# ---- HF baseline on a tiny model -------------------------------------------------------------------
+# ---- HF baseline on a tiny model -----------------------------------------------------------------
 def test_hf_static_batching_times_each_request_and_pads_to_the_longest(llama_dir: Path) -> None:
     hf = load_hf_model(str(llama_dir), "float32")
     reqs = [

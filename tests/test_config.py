@@ -1,9 +1,10 @@
+import argparse
 from pathlib import Path
 
 import pytest
 import yaml
 
-from server.cli import main
+from server.cli import CONFIG_ONLY_KEYS, _add_serve_args, main
 from server.config import ConfigError, ServerConfig, load_config, parse_size
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -58,3 +59,45 @@ def test_environment_variables_override_the_file_and_flags_override_both(tmp_pat
     assert cfg.port == 8300 and cfg.max_num_seqs == 8
     with pytest.raises(ConfigError, match="max_num_seqs"):
         load_config(None, {}, environ={"BEAMLINE_MAX_NUM_SEQS": "many"})
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    _add_serve_args(parser)
+    return parser
+
+
+def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
+    flags = {o for a in serve_parser()._actions for o in a.option_strings if o.startswith("--")}
+    assert flags == {
+        "--help", "--config", "--host", "--port", "--model", "--served-model-name",
+        "--cache-dir", "--device", "--dtype", "--quantization", "--linear-layout",
+        "--num-threads", "--torch-compile", "--no-torch-compile", "--cuda-graphs",
+        "--no-cuda-graphs", "--block-size", "--kv-cache-memory", "--num-kv-blocks",
+        "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+        "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-waiting-requests",
+        "--drain-timeout", "--api-key", "--api-key-file", "--public-path",
+        "--cors-allow-origin", "--max-body-bytes", "--max-header-bytes", "--log-level",
+        "--log-format",
+    }  # fmt: skip
+    dests = {a.dest for a in serve_parser()._actions} - {"help", "config"}
+    assert dests == set(ServerConfig.model_fields) - CONFIG_ONLY_KEYS
+
+
+def test_flags_parse_to_the_config_keys() -> None:
+    argv = [
+        "--port", "9000", "--kv-cache-memory", "2GiB", "--api-key", "a", "--api-key", "b",
+        "--no-cuda-graphs", "--quantization", "w8a8", "--drain-timeout", "1.5",
+        "--cache-dir", "/tmp/c", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    cfg = load_config(None, vars(serve_parser().parse_args(argv)), environ={})
+    assert (cfg.port, cfg.kv_cache_memory, cfg.api_keys) == (9000, 2 * 1024**3, ["a", "b"])
+    assert (cfg.cuda_graphs, cfg.quantization, cfg.drain_timeout) == (False, "w8a8", 1.5)
+    assert (cfg.cache_dir, cfg.dtype) == (Path("/tmp/c"), "bfloat16")
+    assert load_config(None, vars(serve_parser().parse_args([])), environ={}) == ServerConfig()
+
+
+@pytest.mark.parametrize("argv", [["--port", "x"], ["--dtype", "float64"], ["--max-n", "4"]])
+def test_a_bad_flag_stops_argparse(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(argv)

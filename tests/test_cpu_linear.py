@@ -1,4 +1,4 @@
-"""The CPU weight layout: transposed linears compute what nn.Linear computes, and the runner uses them."""
+"""The CPU weight layout: transposed linears compute what nn.Linear does; the runner uses them."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ from decoding import (
     choose_tokens,
     make_beam_search,
     process_logits,
-    sample_next_tokens,
 )
 from tests.tiny_models import build_tiny_model
 
@@ -60,7 +59,9 @@ def ours_single(model: torch.nn.Module, params: DecodingParams, prompt: list[int
     out: list[int] = []
     while len(out) < params.max_tokens:
         t = SamplingTensors.from_rows([params], [prompt], [out], EOS_IDS, vocab, "cpu")
-        token = int(sample_next_tokens(last_logits(model, [prompt + out]), t, [generator])[0])
+        token = int(
+            choose_tokens(process_logits(last_logits(model, [prompt + out]), t), t, [generator])[0]
+        )
         out.append(token)
         if token in params.finishing_ids(EOS_IDS):
             break

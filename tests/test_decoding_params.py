@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from decoding import DecodingParams, DecodingParamsError, check_caps
+from decoding import DecodingParams, DecodingParamsError, check_vocab, request_width
 
 INVALID = [
     (dict(max_tokens=0), "max_tokens"),
@@ -123,23 +123,33 @@ def test_finishing_ids() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        (dict(n=9), "n"),
-        (dict(n=2, best_of=9), "best_of"),
-        (dict(num_beams=9), "num_beams"),
-        (dict(num_beams=4, num_beam_groups=2, n=2, logprobs=6), "logprobs"),
         (dict(logit_bias={400: 1.0}), "logit_bias"),
         (dict(stop_token_ids=(384,)), "stop_token_ids"),
         (dict(bad_words_ids=((1, 999),)), "bad_words_ids"),
     ],
 )
-def test_check_caps(kwargs: dict, field: str) -> None:
+def test_check_vocab(kwargs: dict, field: str) -> None:
     with pytest.raises(DecodingParamsError) as err:
-        check_caps(DecodingParams(**kwargs), max_width=8, max_logprobs=5, vocab_size=384)
+        check_vocab(DecodingParams(**kwargs), vocab_size=384)
     assert err.value.field == field
 
 
-def test_check_caps_accepts_the_limits() -> None:
-    check_caps(
-        DecodingParams(num_beams=8, n=8, logprobs=5, logit_bias={383: 1.0}), 8, 5, vocab_size=384
+def test_check_vocab_accepts_the_last_token() -> None:
+    check_vocab(
+        DecodingParams(logit_bias={383: 1.0}, stop_token_ids=(383,), bad_words_ids=((383,),)), 384
     )
-    check_caps(DecodingParams(n=1, best_of=8), 8, 5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "width"),
+    [
+        (dict(), 1),
+        (dict(n=3), 3),
+        (dict(n=2, best_of=5), 5),
+        (dict(num_beams=4, n=2), 4),
+        (dict(num_beams=4, num_beam_groups=2), 4),
+    ],
+)
+def test_request_width_is_the_params_width(kwargs: dict, width: int) -> None:
+    params = DecodingParams(**kwargs)
+    assert params.width == request_width(params.n, params.best_of, params.num_beams) == width

@@ -14,7 +14,6 @@ from decoding import (
     choose_tokens,
     process_logits,
     rank_samples,
-    sample_next_tokens,
     token_logprobs,
 )
 
@@ -51,7 +50,9 @@ def run_rows(
     for _ in range(steps):
         logits = torch.stack([toy_logits(p + o) for p, o in zip(prompts, outputs)])
         t = SamplingTensors.from_rows(params, prompts, outputs, EOS, V, "cpu")
-        for row, token in enumerate(sample_next_tokens(logits, t, generators).tolist()):
+        for row, token in enumerate(
+            choose_tokens(process_logits(logits, t), t, generators).tolist()
+        ):
             outputs[row].append(token)
     return outputs
 
@@ -87,8 +88,8 @@ def test_sibling_rows_share_their_request_generator_in_order() -> None:
     gen_b = torch.Generator().manual_seed(7)
     logits = torch.stack([toy_logits([1])] * 3)
     t = SamplingTensors.from_rows(params, [[1]] * 3, [[]] * 3, EOS, V, "cpu")
-    draws_a = [sample_next_tokens(logits, t, [gen_a] * 3).tolist() for _ in range(5)]
-    draws_b = [sample_next_tokens(logits, t, [gen_b] * 3).tolist() for _ in range(5)]
+    draws_a = [choose_tokens(process_logits(logits, t), t, [gen_a] * 3).tolist() for _ in range(5)]
+    draws_b = [choose_tokens(process_logits(logits, t), t, [gen_b] * 3).tolist() for _ in range(5)]
     assert draws_a == draws_b
     assert len({tuple(d) for d in zip(*draws_a)}) > 1
 
@@ -139,7 +140,7 @@ def test_greedy_rows_take_the_argmax_of_processed_scores() -> None:
         DecodingParams(top_k=1),
     ]
     t = SamplingTensors.from_rows(params, [[4], [5]], [[], []], EOS, V, "cpu")
-    tokens = sample_next_tokens(logits, t, [None, None]).tolist()
+    tokens = choose_tokens(process_logits(logits, t), t, [None, None]).tolist()
     assert tokens[0] != favourite and tokens[0] == int(
         logits[0].clone().index_fill_(0, torch.tensor([favourite]), -1e9).argmax()
     )
@@ -150,7 +151,7 @@ def test_logprobs_read_the_raw_distribution() -> None:
     logits = torch.stack([toy_logits([1]), toy_logits([2]), toy_logits([3])])
     params = [DecodingParams(temperature=0.3, repetition_penalty=2.0, logprobs=3)] * 3
     t = SamplingTensors.from_rows(params, [[1], [2], [3]], [[]] * 3, EOS, V, "cpu")
-    tokens = sample_next_tokens(logits, t, [torch.Generator().manual_seed(0)] * 3)
+    tokens = choose_tokens(process_logits(logits, t), t, [torch.Generator().manual_seed(0)] * 3)
     lp = token_logprobs(logits, tokens, num_top=3)
     raw = logits.log_softmax(-1)
     torch.testing.assert_close(lp.chosen, raw.gather(1, tokens[:, None])[:, 0])
@@ -170,9 +171,7 @@ def test_logprobs_read_the_raw_distribution() -> None:
 
 def test_rank_samples() -> None:
     assert rank_samples([-5.0, -1.0, -3.0, -1.0], 2) == [1, 3]
-    # per-token average (length_penalty 1) prefers the long, confident sample
-    assert rank_samples([-4.0, -3.0], 1, lengths=[8, 2], length_penalty=1.0) == [0]
-    assert rank_samples([-4.0, -3.0], 1, lengths=[8, 2]) == [1]
+    assert rank_samples([-4.0, -3.0], 1) == [1]  # the sum: no length normalisation
 
 
 def test_best_of_rows_draw_and_ask_for_logprobs() -> None:
@@ -185,7 +184,7 @@ def test_best_of_rows_draw_and_ask_for_logprobs() -> None:
     for _ in range(6):
         logits = torch.stack([toy_logits([1] + o) for o in outputs])
         t = SamplingTensors.from_rows(params, [[1]] * 3, outputs, EOS, V, "cpu")
-        tokens = sample_next_tokens(logits, t, [gen] * 3)
+        tokens = choose_tokens(process_logits(logits, t), t, [gen] * 3)
         for i, (tok, lp) in enumerate(
             zip(tokens.tolist(), token_logprobs(logits, tokens).chosen.tolist())
         ):

@@ -6,8 +6,8 @@ stays short (max_tokens <= 4, widths <= 4 unless the fuzzer picks an invalid one
 costs milliseconds. After each property the engine is idle, the KV pool full, and a fixed greedy
 request still gives the text it gave before.
 
-`BEAMLINE_FUZZ_EXAMPLES` sets the number of examples (default 150 per route); the examples are the same
-on every run unless `BEAMLINE_FUZZ_RANDOM=1` asks for fresh ones (for exploring, not for CI).
+`BEAMLINE_FUZZ_EXAMPLES` sets the number of examples (default 150 per route); the examples are the
+same on every run unless `BEAMLINE_FUZZ_RANDOM=1` asks for fresh ones (for exploring, not for CI).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ FUZZ_SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-# ---- strategies ------------------------------------------------------------------------------------
+# ---- strategies ----------------------------------------------------------------------------------
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
     lambda children: (
@@ -219,7 +219,7 @@ content_types = st.sampled_from(
 )
 
 
-# ---- checks -----------------------------------------------------------------------------------------
+# ---- checks --------------------------------------------------------------------------------------
 def plain_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -265,7 +265,7 @@ def check_reply(body: dict[str, Any], r: httpx.Response, chat: bool) -> None:
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], usage
 
 
-# ---- fixtures and tests -------------------------------------------------------------------------------
+# ---- fixtures and tests --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fuzz_client(tiny_model_dirs: dict[str, Path]) -> Iterator[httpx.Client]:
     ctx = serving_context(make_engine(tiny_model_dirs["llama"]))

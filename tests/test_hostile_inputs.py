@@ -1,4 +1,4 @@
-"""Hostile requests: every bad body, header or path gets its 4xx in OpenAI's error shape, never a 500.
+"""Hostile requests: every bad body, header or path gets a 4xx in OpenAI's error shape, never a 500.
 
 One table of cases, each with its expected status (and `param`/`code` where the API defines them).
 After every case the engine is idle with a full KV pool, and the server still answers a fixed
@@ -81,7 +81,7 @@ def case(
     return Case(id=id, group=group, status=status, param=param, code=code, body=raw, **kw)
 
 
-# ---- wrong types for every field ------------------------------------------------------------------
+# ---- wrong types for every field -----------------------------------------------------------------
 WRONG_TYPES: dict[str, list[Any]] = {
     "model": [5, ["tiny"]],
     "max_tokens": ["ten", [2], {"n": 2}, 2.5],
@@ -166,7 +166,8 @@ def wrong_type_cases() -> Iterator[Case]:
             )
 
 
-# Lax coercions pydantic performs but OpenAI's API refuses ("expected an integer, but got a boolean").
+# Lax coercions pydantic performs but OpenAI's API refuses ("expected an integer, but got a
+# boolean").
 COERCIONS = [
     case("bool-max_tokens", "coercions", comp(max_tokens=True), 400, "max_tokens"),
     case("bool-token-ids", "coercions", {"prompt": [True, 2], "max_tokens": 2}, 400, "prompt"),
@@ -937,7 +938,7 @@ def _last_of_each_group(cases: list[Case]) -> set[str]:
 LAST_OF_GROUP = _last_of_each_group(CASES)
 
 
-# ---- fixtures ---------------------------------------------------------------------------------------
+# ---- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hostile_ctx(tiny_model_dirs: dict[str, Path]) -> Iterator[ServingContext]:
     ctx = serving_context(make_engine(tiny_model_dirs["llama"]))
@@ -974,7 +975,7 @@ async def clients(hostile_ctx: ServingContext) -> AsyncIterator[dict[bool, httpx
         yield {False: plain, True: secured}
 
 
-# ---- the test -----------------------------------------------------------------------------------------
+# ---- the test ------------------------------------------------------------------------------------
 def _check_success(c: Case, r: httpx.Response) -> None:
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         payloads = sse_payloads(r.text)

@@ -81,7 +81,7 @@ async def test_twice_the_queue_capacity_at_once_gives_only_200s_and_503s(
         assert r.status_code == 200
 
 
-# ---- preemption -----------------------------------------------------------------------------------------
+# ---- preemption ----------------------------------------------------------------------------------
 TINY_POOL_BLOCKS = 24  # 96 tokens of KV: eight 40-token requests need ~4x that
 PREEMPTION_REQUESTS = [
     {"prompt": prompt, "max_tokens": 40, "ignore_eos": True, **sampling}
@@ -127,7 +127,7 @@ async def test_kv_exhaustion_preempts_and_recomputes_without_changing_outputs(
     assert got == expected
 
 
-# ---- a request wider than the pool ------------------------------------------------------------------------
+# ---- a request wider than the pool ---------------------------------------------------------------
 WEDGE_POOL_BLOCKS = 32  # 128 tokens of KV; one row of 100 tokens fits, four never do together
 WEDGE_BOUND_S = 5.0
 
@@ -204,7 +204,8 @@ async def test_chat_with_n_and_no_max_tokens_is_served_when_one_context_fits_the
 ) -> None:
     """Chat's max_tokens defaults to the rest of the context. On a pool that holds one full context
     (the usual sizing: max_model_len is capped at the pool), a plain OpenAI client asking for n=2
-    without max_tokens should be served, with a default length that fits, not refused with "lower n"."""
+    without max_tokens should be served, with a default length that fits, not refused with
+    "lower n"."""
     body = {
         "messages": [{"role": "user", "content": "Hello!"}],
         "n": 2,

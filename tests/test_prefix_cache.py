@@ -26,7 +26,7 @@ from tests.test_metrics_wiring import samples
 GREEDY = DecodingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-# ---- block pool: tags, evictable blocks, eviction order ----------------------------------------------
+# ---- block pool: tags, evictable blocks, eviction order ------------------------------------------
 def filled_pool(num_blocks: int = 4) -> tuple[BlockPool, list[int]]:
     """A pool of blocks of 2 whose first two blocks are tagged and owned by `table`."""
     pool = BlockPool(num_blocks, block_size=2)
@@ -130,7 +130,7 @@ def test_attach_takes_the_longest_matching_run_and_leaves_a_token_to_compute() -
     assert cache.pool.ref_count(first.block_table[0]) == 2
 
 
-# ---- scheduler: admission from the cache -------------------------------------------------------------
+# ---- scheduler: admission from the cache ---------------------------------------------------------
 def advance(sched: Scheduler, plan: StepPlan) -> None:
     """The engine's bookkeeping after a forward pass, with a fixed sampled token."""
     for item in sched.update_from_output(plan):
@@ -177,7 +177,7 @@ def test_revived_blocks_are_not_counted_free_twice() -> None:
     assert (plan.cache_queries, plan.cache_hits) == (0, 0)  # counted only once it joins
 
 
-# ---- the engine: same tokens with and without the cache -------------------------------------------
+# ---- the engine: same tokens with and without the cache ------------------------------------------
 def shared_prefix_prompts(seed: int, prefix_len: int, count: int) -> list[list[int]]:
     """`count` prompts: one common prefix, then suffixes of 3-9 tokens that differ at once."""
     rng = random.Random(seed)

@@ -229,8 +229,9 @@ async def test_soak_mixed_traffic_zero_errors_flat_memory_full_pool(
     engine = ctx.engine.engine
     mib = [round(rss / 1024**2, 1) for rss in steady]
     print(
-        f"\nsoak {SOAK_SECONDS:.0f}s: {dict(tally.outcomes)}, errors {len(tally.errors)}, steps {stats['steps']}, "
-        f"preemptions {stats['preemptions']}, RSS after warm-up (MiB) {mib}, growth {growth / 1024**2:.1f} MiB"
+        f"\nsoak {SOAK_SECONDS:.0f}s: {dict(tally.outcomes)}, errors {len(tally.errors)}, "
+        f"steps {stats['steps']}, preemptions {stats['preemptions']}, "
+        f"RSS after warm-up (MiB) {mib}, growth {growth / 1024**2:.1f} MiB"
     )
 
     assert not tally.errors, tally.errors[:10]

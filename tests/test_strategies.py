@@ -1,4 +1,4 @@
-"""Every decoding strategy inside the continuous batch: parity with HF, mixing, sharing, streaming."""
+"""Every decoding strategy inside the continuous batch: HF parity, mixing, sharing, streaming."""
 
 from __future__ import annotations
 

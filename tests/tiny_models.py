@@ -1,7 +1,7 @@
 """Tiny randomly initialised causal LMs with a real (trained here) tokenizer, built offline.
 
 Tests use them so that the engine runs the real transformers model classes in milliseconds.
-`python -m tests.tiny_models DIR [ARCH]` writes one to DIR (used by subprocess tests and benchmarks).
+`python -m tests.tiny_models DIR [ARCH]` writes one to DIR (for subprocess tests and benchmarks).
 """
 
 from __future__ import annotations

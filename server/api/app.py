@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.api import serving
+from server.api import responses, serving
 from server.api.errors import APIError, install_error_handlers
 from server.api.guards import APIKeyGuard, BodySizeGuard
 from server.api.middleware import RequestIdMiddleware
@@ -113,9 +113,9 @@ def create_app(
     state = ServingState(config)
     state.ctx = ctx
 
-    def load() -> None:
+    def load(build: Callable[[], ServingContext]) -> None:
         try:
-            state.ctx = loader()  # type: ignore[misc]
+            state.ctx = build()
         except BaseException as exc:
             log.exception("model failed to load")
             state.load_error = exc
@@ -123,7 +123,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if loader is not None and state.ctx is None:
-            threading.Thread(target=load, name="beamline-loader", daemon=True).start()
+            threading.Thread(
+                target=load, args=(loader,), name="beamline-loader", daemon=True
+            ).start()
         yield
         if state.ctx is not None:
             await asyncio.to_thread(state.ctx.engine.shutdown)
@@ -170,27 +172,13 @@ def create_app(
 
     @app.get("/v1/engine/stats")
     async def engine_stats() -> JSONResponse:
-        c = state.require()
-        e = c.engine.engine
-        s = e.stats
-        return JSONResponse(
+        stats = state.require().engine.stats()
+        return JSONResponse(  # the front end's admissions go next to the engine's queues
             {
-                "num_requests_running": e.num_running,
-                "num_requests_waiting": e.num_waiting,
+                "num_requests_running": stats.pop("num_requests_running"),
+                "num_requests_waiting": stats.pop("num_requests_waiting"),
                 "num_requests_in_flight": state.in_flight,
-                "kv_blocks_total": e.pool.num_blocks,
-                "kv_blocks_free": e.pool.num_free,
-                "peak_kv_blocks_used": s.peak_blocks_used,
-                "steps": s.steps,
-                "tokens_computed": s.tokens_computed,
-                "tokens_generated": s.tokens_generated,
-                "max_seqs_in_step": s.max_seqs_in_step,
-                "preemptions": s.preemptions,
-                "prefix_caching": e.prefix_cache is not None,
-                "kv_blocks_cached": e.pool.num_cached,
-                "prefix_cache_queries": s.prefix_cache_queries,
-                "prefix_cache_hits": s.prefix_cache_hits,
-                "prefix_cache_hit_rate": s.prefix_cache_hits / max(1, s.prefix_cache_queries),
+                **stats,
             }
         )
 
@@ -228,19 +216,19 @@ def create_app(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = (
             (
-                lambda: serving.stream_events(
+                lambda: responses.stream_events(
                     c,
                     request_id,
                     jobs,
                     include_usage,
-                    serving.completion_chunk_maker(c, request_id),
+                    responses.completion_chunk_maker(c, request_id),
                 )
             )
             if body.stream
             else None
         )
         return await run(
-            request, c, jobs, stream, lambda: serving.completion_response(c, request_id, jobs)
+            request, c, jobs, stream, lambda: responses.completion_response(c, request_id, jobs)
         )
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -249,14 +237,14 @@ def create_app(
         job = serving.chat_job(c, body)
         request_id = serving.new_request_id("chat")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        make, first = serving.chat_chunk_maker(c, request_id, body.n)
+        make, first = responses.chat_chunk_maker(c, request_id, body.n)
         stream = (
-            (lambda: serving.stream_events(c, request_id, [job], include_usage, make, first))
+            (lambda: responses.stream_events(c, request_id, [job], include_usage, make, first))
             if body.stream
             else None
         )
         return await run(
-            request, c, [job], stream, lambda: serving.chat_response(c, request_id, job)
+            request, c, [job], stream, lambda: responses.chat_response(c, request_id, job)
         )
 
     return app

@@ -1,10 +1,12 @@
-"""Every error leaves the server in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Every error leaves the server in OpenAI's shape:
+{"error": {"message", "type", "param", "code"}}."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -90,7 +92,9 @@ def install_error_handlers(
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         on_client_error()
         errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        first: dict[str, Any] = (
+            errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        )
         if first.get("type") == "json_invalid":
             return bad_request("request body is not valid JSON", code="invalid_json").response()
         param = _loc_to_param(tuple(first.get("loc", ())))

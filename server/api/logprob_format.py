@@ -1,4 +1,4 @@
-"""OpenAI's two logprobs shapes: legacy completions (parallel lists) and chat (one entry a token)."""
+"""OpenAI's two logprobs shapes: legacy completions (parallel lists), chat (one entry a token)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ from server.engine.request import TokenLogprob
 
 
 def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
-    return tokenizer.decode(
+    text = tokenizer.decode(
         [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
     )
+    assert isinstance(text, str)  # one id list decodes to one string
+    return text
 
 
 def completion_logprobs(
     tokenizer: PreTrainedTokenizerBase, entries: list[TokenLogprob], text_offset: int
 ) -> dict:
-    """{"tokens", "token_logprobs", "top_logprobs", "text_offset"} for `entries`, offsets from `text_offset`."""
+    """{"tokens", "token_logprobs", "top_logprobs", "text_offset"} for `entries`; offsets count
+    from `text_offset`."""
     tokens = [token_text(tokenizer, e.token_id) for e in entries]
     offsets = []
     for t in tokens:

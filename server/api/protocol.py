@@ -15,7 +15,8 @@ def new_id(prefix: str) -> str:
 
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do for forward compatibility.
-    # Strict types: "0.5" is not a temperature and true is not a token count (ints still pass as floats).
+    # Strict types: "0.5" is not a temperature and true is not a token count (ints still pass as
+    # floats).
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
@@ -79,8 +80,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(p, str):
             return [p]
         if p and all(isinstance(x, int) for x in p):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+            return [p]  # type: ignore[list-item]  # all() has checked: p is one prompt of ids
+        return list(p)  # type: ignore[arg-type]  # a list of texts or of id lists
 
 
 class TextPart(OpenAIModel):

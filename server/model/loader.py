@@ -91,7 +91,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         bar.update()
         bar.set_postfix_str("saving")
         # The weights are dequantized now: save them as a plain model, not as a GGUF-quantized one.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module types attrs as Tensor | Module
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         if add_missing_chat_template(tokenizer, model.generation_config):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import cast
+from typing import Literal, cast, get_args
 
 import torch
 
@@ -35,7 +35,8 @@ from server.model.cpu_linear import replace_linears
 
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8", "int8-weights", "w8a8")
+Quantization = Literal["none", "int8", "int8-weights", "w8a8"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # Linear layers whose input has outlier channels that a per-token int8 scale would flatten:
 # under `w8a8` they keep int8 weights with floating-point activations.
 WEIGHT_ONLY_UNDER_W8A8 = frozenset({"down_proj"})

@@ -42,21 +42,6 @@ log = logging.getLogger(__name__)
 _runner_ids = itertools.count()
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {name!r}")
-    return dtypes[name]
-
-
 def compiler_available(device: torch.device) -> bool:
     """Inductor compiles its CPU kernels with a C++ compiler; Triton (CUDA) builds its launchers
     with a C one."""

@@ -1,0 +1,133 @@
+"""A request body's decoding fields -> DecodingParams, with the limits this server sets.
+
+Every DecodingParams field is a request field of the same name and default, passed as is, except
+the ones in CONVERTED_FIELDS (tests/test_request_params.py holds both sides to that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from decoding import DecodingParams, check_vocab, request_width
+from decoding.params import parse_logit_bias
+from server.api.errors import bad_request
+from server.api.protocol import SamplingFields
+
+if TYPE_CHECKING:
+    from server.api.serving import ServingContext
+
+# DecodingParams fields that the request carries in another shape, and how each is converted.
+CONVERTED_FIELDS: dict[str, str] = {
+    "max_tokens": "chat: max_completion_tokens, else max_tokens, else the rest of the context "
+    "that the KV pool holds for every row; completions: max_tokens, else 16 (OpenAI's default)",
+    "stop": "one string or a list of strings -> a tuple",
+    "stop_token_ids": "a list or null -> a tuple",
+    "logit_bias": "string keys -> token ids, null -> {}",
+    "bad_words_ids": "bad_words_ids, then every bad_words string tokenized",
+    "logprobs": "completions: logprobs; chat: top_logprobs (0 when absent) if logprobs is true",
+}
+PASSED_AS_IS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(DecodingParams) if f.name not in CONVERTED_FIELDS
+)
+
+
+def decoding_params(
+    ctx: ServingContext,
+    req: SamplingFields,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    logprobs_param: str = "logprobs",
+    max_tokens_param: str = "max_tokens",
+) -> DecodingParams:
+    """Build DecodingParams; limits that depend on the server (context, caps) are checked here.
+
+    Invalid values raise DecodingParamsError, which the app answers with a 400 naming the field.
+    """
+    stops = req.stop_list()
+    _check_server_limits(ctx, req, len(stops), logprobs, logprobs_param)
+    room = ctx.max_model_len - prompt_len
+    if max_tokens is None:  # the rest of the context, within what the KV pool holds for every row
+        width = request_width(req.n, req.best_of, req.num_beams)
+        max_tokens = min(room, ctx.engine.kv_capacity.tokens_per_row(width) - prompt_len)
+        room = max(min(room, max_tokens), 0)
+    if room < 1 or max_tokens > room:
+        raise bad_request(
+            f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens and max_tokens asks for {max_tokens} more",
+            max_tokens_param if room >= 1 else "prompt",
+            "context_length_exceeded",
+        )
+    params = DecodingParams(
+        **{name: getattr(req, name) for name in PASSED_AS_IS},
+        max_tokens=max_tokens,
+        stop=stops,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        bad_words_ids=_bad_words(ctx, req),
+        logit_bias=parse_logit_bias(req.logit_bias),
+        logprobs=logprobs,
+    )
+    check_vocab(params, ctx.vocab_size)
+    _check_fits_kv_pool(ctx, params, prompt_len, max_tokens_param)
+    return params
+
+
+def _check_server_limits(
+    ctx: ServingContext,
+    req: SamplingFields,
+    num_stops: int,
+    logprobs: int | None,
+    logprobs_param: str,
+) -> None:
+    """The request's sizes against the server's caps (400 above_limit), before anything else."""
+    cfg = ctx.config
+    if num_stops > cfg.max_stop_sequences:
+        raise bad_request(
+            f"at most {cfg.max_stop_sequences} stop sequences are allowed", "stop", "too_many_stop"
+        )
+    for name, value, cap in (
+        ("n", req.n, cfg.max_n),
+        ("best_of", req.best_of or 1, cfg.max_best_of),
+        ("num_beams", req.num_beams, cfg.max_num_beams),
+        (logprobs_param, logprobs or 0, cfg.max_logprobs),
+    ):
+        if value > cap:
+            raise bad_request(
+                f"{name} must be <= {cap} on this server (got {value})", name, "above_limit"
+            )
+
+
+def _check_fits_kv_pool(
+    ctx: ServingContext, params: DecodingParams, prompt_len: int, max_tokens_param: str
+) -> None:
+    """Refuse what could never run: after a preemption every row recomputes its whole sequence
+    without sharing, so the pool must hold width x (prompt + max_tokens) tokens; otherwise the
+    request would be preempted forever and hold up everyone else."""
+    kv = ctx.engine.kv_capacity
+    need = params.width * kv.blocks_for(prompt_len + params.max_tokens)
+    if need > kv.num_blocks:
+        if params.is_beam:
+            param = "num_beams"
+        elif params.strategy == "best_of":
+            param = "best_of"
+        else:
+            param = "n" if params.width > 1 else max_tokens_param
+        raise bad_request(
+            f"this request needs up to {need} KV-cache blocks ({params.width} rows x "
+            f"{prompt_len + params.max_tokens} tokens) but the server's pool has "
+            f"{kv.num_blocks}; lower {param}",
+            param,
+            "kv_cache_too_small",
+        )
+
+
+def _bad_words(ctx: ServingContext, req: SamplingFields) -> tuple[tuple[int, ...], ...]:
+    words = [tuple(ids) for ids in req.bad_words_ids or ()]
+    for word in req.bad_words or ():
+        if not word:
+            raise bad_request(
+                "bad_words must not contain empty strings", "bad_words", "invalid_value"
+            )
+        words.append(tuple(ctx.tokenizer(word, add_special_tokens=False).input_ids))
+    return tuple(words)

@@ -1,0 +1,33 @@
+"""Where and in which floating-point format the model runs, chosen once at start-up.
+
+Torch is imported only when a device or dtype is picked, so the CLI and the config can name the
+choices without loading it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, get_args
+
+if TYPE_CHECKING:
+    import torch
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = get_args(DType)  # "auto": bfloat16 on CUDA, float32 on the CPU
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    return getattr(torch, name)  # every name but "auto" is a torch dtype's
