@@ -58,7 +58,8 @@ def test_parity_with_transformers_4_55(tmp_path: Path) -> None:
         problem = f"fails {PROBE!r}:\n{probe.stderr[-2000:]}" if probe.returncode else ""
     if problem:
         pytest.fail(
-            f"BEAMLINE_HF455_PYTHON={HF455_PYTHON} {problem}\n(re)build it with tests/hf455_venv.sh",
+            f"BEAMLINE_HF455_PYTHON={HF455_PYTHON} {problem}\n"
+            "(re)build it with tests/hf455_venv.sh",
             pytrace=False,
         )
     from tests.tiny_models import build_tiny_model

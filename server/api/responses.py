@@ -31,9 +31,7 @@ from server.engine.request import RequestOutput, TokenLogprob
 def _engine_outputs(
     ctx: ServingContext, request_id: str, job: Job
 ) -> AsyncGenerator[RequestOutput, None]:
-    """`job`'s outputs from the engine, as the async generator (with aclose) that they are."""
-    outputs = ctx.engine.generate(request_id, job.prompt_ids, job.params)
-    return outputs  # type: ignore[return-value]  # generate() is annotated as an AsyncIterator
+    return ctx.engine.generate(request_id, job.prompt_ids, job.params)
 
 
 async def run_jobs(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from decoding import DecodingParams
@@ -84,7 +84,7 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: DecodingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished.
 
         Leaving the iteration early (client gone, task cancelled) aborts the request, which frees

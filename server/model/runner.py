@@ -83,8 +83,8 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False
         )
-        # transformers types .to() through a decorator whose stub loses `self`
-        self.model = model.to(device).eval()  # type: ignore[arg-type]
+        model = model.to(device)  # type: ignore[arg-type]  # transformers' .to() stub loses self
+        self.model = model.eval()
         self.decoder = self.model.get_decoder()
         head = self.model.get_output_embeddings()
         self.vocab_size = head.weight.shape[0]
