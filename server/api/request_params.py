@@ -7,15 +7,12 @@ the ones in CONVERTED_FIELDS (tests/test_request_params.py holds both sides to t
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from decoding import DecodingParams, check_vocab, request_width
 from decoding.params import parse_logit_bias
+from server.api.context import ServingContext
 from server.api.errors import bad_request
 from server.api.protocol import SamplingFields
-
-if TYPE_CHECKING:
-    from server.api.serving import ServingContext
 
 # DecodingParams fields that the request carries in another shape, and how each is converted.
 CONVERTED_FIELDS: dict[str, str] = {

@@ -8,26 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
-
 from decoding import DecodingParams
+from server.api.context import ServingContext
 from server.api.errors import APIError, bad_request
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, new_id
 from server.api.request_params import decoding_params
-from server.config import ServerConfig
-from server.engine.async_engine import AsyncEngine
-from server.metrics import Metrics
-
-
-@dataclass
-class ServingContext:
-    engine: AsyncEngine
-    tokenizer: PreTrainedTokenizerBase
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    config: ServerConfig
-    metrics: Metrics | None = None
 
 
 # ---- request -> engine inputs ------------------------------------------------------------------
