@@ -155,6 +155,21 @@ async def test_token_id_prompt_is_accepted(client: httpx.AsyncClient) -> None:
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
 
 
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error"}
+
+
+def assert_openai_error(
+    r: httpx.Response, status: int, type_: str, param: str | None, code: str | None
+) -> None:
+    """Exactly OpenAI's error shape, with these status, type, param and code."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert set(r.json()) == {"error"} and set(err) == {"message", "type", "param", "code"}
+    assert (err["type"], err["param"], err["code"]) == (type_, param, code), err
+    assert isinstance(err["message"], str) and err["message"]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param", "code"),
     [
@@ -166,9 +181,18 @@ async def test_token_id_prompt_is_accepted(client: httpx.AsyncClient) -> None:
         ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "invalid_value"),
         ({"prompt": ""}, 400, "prompt", "empty_prompt"),
         ({"prompt": []}, 400, "prompt", "empty_prompt"),
-        ({"prompt": [1, -2]}, 400, None, "invalid_value"),
+        pytest.param(
+            {"prompt": [1, -2]},
+            400,
+            "prompt",
+            "invalid_value",
+            marks=pytest.mark.xfail(
+                strict=True, reason="server names the union branch: param 'prompt.str'"
+            ),
+        ),
         ({"prompt": [10**6]}, 400, "prompt", "invalid_token"),
         ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens", "context_length_exceeded"),
+        ({"prompt": [5] * 512, "max_tokens": 1}, 400, "prompt", "context_length_exceeded"),
         ({"prompt": "x", "n": 17}, 400, "n", "above_limit"),
         (
             {"prompt": "x", "num_beams": 3, "num_beam_groups": 2},
@@ -188,29 +212,35 @@ async def test_bad_completion_requests_get_openai_shaped_4xx(
 ) -> None:
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == code and err["message"]
-    if param is not None:
-        assert err["param"] == param
+    assert_openai_error(r, status, ERROR_TYPES[status], param, code)
     # The server still serves after each bad request.
     ok = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert ok.status_code == 200
 
 
-async def test_malformed_json_and_non_object_bodies_are_400(client: httpx.AsyncClient) -> None:
-    for raw in (b'{"prompt": "x",', b"[1, 2]", b"null", b"\xff\xfe"):
-        r = await client.post(
-            "/v1/completions", content=raw, headers={"content-type": "application/json"}
-        )
-        assert r.status_code == 400, (raw, r.text)
-        assert r.json()["error"]["type"] == "invalid_request_error"
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b'{"prompt": "x",', "invalid_json"),
+        (b"\xff\xfe", "invalid_json"),
+        (b"[1, 2]", "invalid_value"),
+        (b"null", "invalid_value"),
+    ],
+)
+async def test_malformed_json_and_non_object_bodies_are_400(
+    client: httpx.AsyncClient, raw: bytes, code: str
+) -> None:
+    r = await client.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert_openai_error(r, 400, "invalid_request_error", None, code)
 
 
 async def test_context_length_error_names_both_numbers(
     client: httpx.AsyncClient, tiny_ctx: ServingContext
 ) -> None:
     r = await client.post("/v1/completions", json={"prompt": "Hello world", "max_tokens": 5000})
+    assert_openai_error(r, 400, "invalid_request_error", "max_tokens", "context_length_exceeded")
     msg = r.json()["error"]["message"]
     assert str(tiny_ctx.max_model_len) in msg and "5000" in msg
 
@@ -219,20 +249,26 @@ async def test_unknown_route_and_wrong_method_keep_the_error_shape(
     client: httpx.AsyncClient,
 ) -> None:
     r = await client.get("/v1/nothing")
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert_openai_error(r, 404, "not_found_error", None, None)
     r = await client.get("/v1/completions")
-    assert r.status_code == 405 and "error" in r.json()
+    assert_openai_error(r, 405, "invalid_request_error", None, None)
+    assert r.headers["allow"] == "POST"
 
 
-async def test_bad_chat_requests(client: httpx.AsyncClient) -> None:
-    r = await client.post("/v1/chat/completions", json={"messages": []})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = await client.post(
-        "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}
-    )
-    assert r.status_code == 400
-    r = await client.post(
-        "/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-    )
-    assert r.status_code == 400
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        pytest.param(
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+            marks=pytest.mark.xfail(
+                strict=True, reason="server names the union branch: 'messages.0.content.str'"
+            ),
+        ),
+    ],
+)
+async def test_bad_chat_requests(client: httpx.AsyncClient, body: dict, param: str) -> None:
+    r = await client.post("/v1/chat/completions", json=body)
+    assert_openai_error(r, 400, "invalid_request_error", param, "invalid_value")

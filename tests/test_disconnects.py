@@ -13,6 +13,7 @@ import logging
 import random
 import socket
 import struct
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -62,7 +63,7 @@ def server(tiny_model_dirs: dict[str, Path]) -> Iterator[Server]:
         ctx.engine.shutdown()
 
 
-# ---- raw HTTP over asyncio streams ------------------------------------------------------------------
+# ---- raw HTTP over asyncio streams ---------------------------------------------------------------
 def raw_request(path: str, body: dict[str, Any], host: str) -> tuple[bytes, bytes]:
     payload = json.dumps(body).encode()
     head = (
@@ -189,7 +190,7 @@ async def metrics_text(client: httpx.AsyncClient) -> str:
     return r.text
 
 
-# ---- tests ---------------------------------------------------------------------------------------------
+# ---- tests ---------------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 async def test_a_hundred_streams_cut_at_random_points_leave_nothing_behind(
     server: Server, caplog: pytest.LogCaptureFixture
@@ -261,17 +262,52 @@ async def test_a_non_streaming_client_that_hangs_up_is_aborted(server: Server, r
 
 
 @pytest.mark.timeout(60)
-async def test_a_client_timeout_aborts_the_request(server: Server) -> None:
+async def test_a_client_timeout_aborts_the_request(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine is held (inside the request's first step, or before it) until the server has
+    sent the abort, so the request cannot finish within the client's 0.5 s read timeout however
+    fast the machine is; the abort then lands at the next step: at most the one token of the held
+    step is generated (not LONG), the request is gone and every KV block is back."""
     body = {"prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
+    engine = server.ctx.engine.engine
+    release = threading.Event()
+    aborted_ids: list[str] = []
+    abort_sent = threading.Event()
+    real_execute, real_abort = engine.runner.execute, engine.abort
+
+    def held_execute(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(timeout=30), "the test never released the engine"
+        return real_execute(*args, **kwargs)
+
+    def recording_abort(request_id: str) -> None:
+        real_abort(request_id)  # in the engine's inbox before the test can release the step
+        if request_id:  # shutdown() wakes the loop with ""
+            aborted_ids.append(request_id)
+            abort_sent.set()
+
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         await wait_until_idle(client, timeout=5)
         aborted_before = aborted_total(await metrics_text(client))
-        async with httpx.AsyncClient(
-            base_url=server.url, timeout=httpx.Timeout(30, read=0.5)
-        ) as impatient:
-            with pytest.raises(httpx.ReadTimeout):
-                await impatient.post("/v1/completions", json=body)
-        await wait_until_idle(client, timeout=2.0)
+        before = await engine_stats(client)
+        monkeypatch.setattr(engine.runner, "execute", held_execute)
+        monkeypatch.setattr(engine, "abort", recording_abort)
+        try:
+            async with httpx.AsyncClient(
+                base_url=server.url, timeout=httpx.Timeout(30, read=0.5)
+            ) as impatient:
+                with pytest.raises(httpx.ReadTimeout):
+                    await impatient.post("/v1/completions", json=body)
+            # The server sees the connection close and aborts the request (once).
+            assert await asyncio.to_thread(abort_sent.wait, 10), "no abort was sent"
+        finally:
+            release.set()
+        stats = await wait_until_idle(client, timeout=5.0)
+        assert len(aborted_ids) == 1 and aborted_ids[0].startswith("cmpl-")
+        assert (
+            stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        )  # wait_until_idle checked the rest
+        assert stats["tokens_generated"] - before["tokens_generated"] <= 1
         assert aborted_total(await metrics_text(client)) == aborted_before + 1
 
 
@@ -279,7 +315,8 @@ async def test_a_client_timeout_aborts_the_request(server: Server) -> None:
 async def test_a_client_that_hangs_up_while_queued_is_dropped_from_the_queue(
     tiny_model_dirs: dict[str, Path],
 ) -> None:
-    """With one running slot, a second request waits in the engine's queue; hanging up removes it."""
+    """With one running slot, a second request waits in the engine's queue; hanging up removes
+    it."""
     ctx = serving_context(make_engine(tiny_model_dirs["llama"], max_num_seqs=1))
     body = {"prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
     try:

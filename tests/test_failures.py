@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
 
 from server.api.app import create_app
 from server.api.serving import ServingContext
-from server.config import ServerConfig
 from tests.conftest import make_engine, serving_context
+from tests.reliability_helpers import metric_sum
 
 BODY = {"prompt": "Hello world", "max_tokens": 4, "temperature": 0}
 
@@ -86,13 +87,73 @@ async def test_beyond_the_waiting_queue_requests_get_503_with_retry_after(llama_
                 assert r.json()["usage"]["completion_tokens"] == 30
         assert ctx.metrics is not None
         text = ctx.metrics.render()[0].decode()
-        assert (
-            f'beamline:request_failure_total{{model_name="tiny",reason="overloaded",strategy="unknown"}} {codes.count(503)}.0'
-            in text
+        refused = metric_sum(
+            text,
+            "beamline:request_failure_total",
+            model_name="tiny",
+            reason="overloaded",
+            strategy="unknown",
         )
+        assert refused == codes.count(503)
     finally:
         ctx.engine.shutdown()
 
 
-def test_config_bounds_the_queue() -> None:
-    assert ServerConfig(max_num_seqs=3, max_waiting_requests=0).max_waiting_requests == 0
+async def test_config_bounds_the_queue(llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_num_seqs=3, max_waiting_requests=0: three requests in flight, the fourth gets 503
+    overloaded; a request with more prompts than that could never fit: 400 too_many_prompts."""
+    ctx = serving_context(make_engine(llama_dir), max_num_seqs=3, max_waiting_requests=0)
+    runner = ctx.engine.engine.runner
+    real = runner.execute
+    gate = threading.Event()
+
+    def held(*args, **kwargs):  # the engine holds its requests until the test lets it go
+        assert gate.wait(timeout=30), "test never released the engine"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", held)
+    app = create_app(ctx=ctx)
+    state = app.state.serving
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
+            held_requests = [asyncio.create_task(c.post("/v1/completions", json=BODY))]
+            held_requests += [asyncio.create_task(c.post("/v1/completions", json=BODY))]
+            held_requests += [asyncio.create_task(c.post("/v1/completions", json=BODY))]
+            for _ in range(1000):  # admission happens in the handler, before the engine runs
+                if state.in_flight == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert state.in_flight == 3
+
+            # refused at once (a wrongly admitted request would wait on the held engine)
+            r = await asyncio.wait_for(c.post("/v1/completions", json=BODY), timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            err = r.json()["error"]
+            assert (err["type"], err["param"], err["code"]) == (
+                "service_unavailable_error",
+                None,
+                "overloaded",
+            )
+            r = await c.post("/v1/completions", json={**BODY, "prompt": ["a", "b", "c", "d"]})
+            assert r.status_code == 400
+            err = r.json()["error"]
+            assert (err["type"], err["param"], err["code"]) == (
+                "invalid_request_error",
+                "prompt",
+                "too_many_prompts",
+            )
+
+            gate.set()
+            replies = await asyncio.gather(*held_requests)
+            assert [r.status_code for r in replies] == [200, 200, 200]
+            assert all(r.json()["usage"]["completion_tokens"] == 4 for r in replies)
+            assert state.in_flight == 0
+            r = await c.post("/v1/completions", json={**BODY, "prompt": ["a", "b", "c"]})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 3  # room again
+        pool = ctx.engine.engine.pool
+        assert pool.num_free == pool.num_blocks
+    finally:
+        gate.set()
+        ctx.engine.shutdown()

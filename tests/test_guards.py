@@ -77,10 +77,38 @@ async def test_each_configured_key_works(secured: httpx.AsyncClient, key: str) -
     assert r.status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/health/", "/%68ealth"])
-async def test_public_paths_need_no_key(secured: httpx.AsyncClient, path: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/health", {"status": "ok"}),
+        ("/ready", {"status": "ready"}),
+        ("/%68ealth", {"status": "ok"}),  # routed on the decoded path, like the guard's check
+    ],
+)
+async def test_public_paths_need_no_key(secured: httpx.AsyncClient, path: str, body: dict) -> None:
     r = await secured.get(path)
-    assert r.status_code in (200, 307), (path, r.status_code)
+    assert r.status_code == 200, (path, r.status_code)
+    assert r.json() == body
+
+
+async def test_metrics_is_public(secured: httpx.AsyncClient) -> None:
+    r = await secured.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    assert "# TYPE beamline:num_requests_running gauge" in r.text
+
+
+@pytest.mark.parametrize("path", ["/health/", "/ready/", "/metrics/"])
+async def test_a_trailing_slash_on_a_public_path_redirects_without_a_key(
+    secured: httpx.AsyncClient, path: str
+) -> None:
+    """The guard lets the spelling through (it normalises the path); the router answers with a
+    307 to the canonical route, which is public as well."""
+    r = await secured.get(path)
+    assert r.status_code == 307, (path, r.status_code)
+    assert r.headers["location"] == f"http://t{path.rstrip('/')}"
+    r = await secured.get(path, follow_redirects=True)
+    assert r.status_code == 200 and r.url.path == path.rstrip("/")
 
 
 async def test_public_paths_are_configurable(tiny_ctx: ServingContext) -> None:
