@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -67,9 +68,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
 def _loc_to_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or None
+    """The request field an error is about. pydantic adds the name of the union member it tried
+    (`str`, `list[int]`, `TextPart`, ...) to the location; those are types, not fields."""
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (_FIELD_NAME.fullmatch(p) and p not in _TYPE_TAGS)
+    ]
+    return ".".join(p for p in parts if p != "body") or None
 
 
 def install_error_handlers(
