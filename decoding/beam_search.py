@@ -282,11 +282,6 @@ class BeamSearch:
         """Rows the next `step()` expects (0 when done)."""
         return 0 if self.done else len(self.group.beam_tokens)
 
-    @property
-    def rows_output_ids(self) -> list[list[int]]:
-        """Generated tokens of each current row, for `SamplingTensors.from_rows(output_ids=...)`."""
-        return [list(t) for t in self.group.beam_tokens] if not self.done else []
-
     def step(self, scores: torch.Tensor) -> BeamStep:
         """Advance with the processed scores [num_rows, V] of this request's rows."""
         self.check_rows(scores)

@@ -62,14 +62,6 @@ class GroupBeamSearch:
             return 0
         return 1 if self._first else sum(len(g.beam_tokens) for g in self.groups if g.active)
 
-    @property
-    def rows_output_ids(self) -> list[list[int]]:
-        if self.done:
-            return []
-        if self._first:
-            return [[]]
-        return [list(t) for g in self.groups if g.active for t in g.beam_tokens]
-
     def step(self, scores: torch.Tensor) -> BeamStep:
         """Advance every running group with the processed scores [num_rows, V] of its rows."""
         if self.done:

@@ -47,7 +47,7 @@ def drive(
     rows: list[list[int]] = [[]]
     steps, inputs = [], []
     while not search.done:
-        assert search.rows_output_ids == rows
+        assert search.num_rows == len(rows)
         logits = torch.stack([model(prompt + r) for r in rows])
         vocab = logits.shape[-1]
         t = SamplingTensors.from_rows(
@@ -267,17 +267,20 @@ def test_step_beam_searches_matches_stepping_each_alone() -> None:
     ]
     alone = [as_pairs(drive(make_beam_search(p, EOS_IDS), model, p)[0]) for p in all_params]
     searches = [make_beam_search(p, EOS_IDS) for p in all_params]
+    rows_of: dict[int, list[list[int]]] = {id(s): [[]] for s in searches}  # the engine's rows
     while not all(s.done for s in searches):
         live = [s for s in searches if not s.done]
         scores = []
         for s in live:
-            rows = s.rows_output_ids
+            rows = rows_of[id(s)]
             logits = torch.stack([model(r) for r in rows])
             t = SamplingTensors.from_rows(
                 [s.params] * len(rows), [[]] * len(rows), rows, EOS_IDS, 16, "cpu"
             )
             scores.append(process_logits(logits, t))
-        step_beam_searches(live, scores)
+        for s, step in zip(live, step_beam_searches(live, scores)):
+            old = rows_of[id(s)]
+            rows_of[id(s)] = [old[p] + [tok] for p, tok in zip(step.parents, step.tokens)]
     assert [as_pairs(s.finalize()) for s in searches] == alone
 
 
