@@ -22,9 +22,8 @@ def make_beam_search(
     generator: torch.Generator | None = None,
 ) -> BeamSearch | GroupBeamSearch:
     """The state machine for a beam request: GroupBeamSearch or BeamSearch by `params.strategy`."""
-    if params.strategy == "group_beam":
-        return GroupBeamSearch(params, eos_ids, max_new_tokens=max_new_tokens)
-    return BeamSearch(params, eos_ids, max_new_tokens=max_new_tokens, generator=generator)
+    search = GroupBeamSearch if params.strategy == "group_beam" else BeamSearch
+    return search(params, eos_ids, max_new_tokens=max_new_tokens, generator=generator)
 
 
 __all__ = [

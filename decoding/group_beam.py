@@ -19,38 +19,16 @@ Deviations from HF, both deliberate:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from decoding.beam_search import BeamGroup, BeamStep, Hypothesis, best_hypotheses
-from decoding.params import DecodingParams
+from decoding.beam_scorer import BeamGroup, BeamStep, Hypothesis, best_hypotheses
+from decoding.beam_search import RequestSearch
 
 
-class GroupBeamSearch:
-    def __init__(
-        self,
-        params: DecodingParams,
-        eos_ids: Sequence[int] | frozenset[int],
-        *,
-        max_new_tokens: int | None = None,
-    ) -> None:
-        if params.strategy != "group_beam":
-            raise ValueError(f"GroupBeamSearch needs num_beam_groups > 1, got {params.strategy!r}")
-        self.params = params
-        self.diversity_penalty = params.diversity_penalty
-        size = params.num_beams // params.num_beam_groups
-        limit = (
-            params.max_tokens if max_new_tokens is None else min(max_new_tokens, params.max_tokens)
-        )
-        finishing = params.finishing_ids(eos_ids)
-        self.groups = [
-            BeamGroup(
-                size, finishing, params.length_penalty, params.early_stopping, max(1, limit), g
-            )
-            for g in range(params.num_beam_groups)
-        ]
-        self._first = True
+class GroupBeamSearch(RequestSearch):
+    strategies = ("group_beam",)
+
+    _first = True  # the first step runs the prompt's one row for every group
 
     @property
     def done(self) -> bool:
@@ -80,9 +58,9 @@ class GroupBeamSearch:
             start = 0 if self._first else offset
             offset += 0 if self._first else rows
             group_scores = scores[start : start + rows]
-            if chosen and self.diversity_penalty:
+            if chosen and self.params.diversity_penalty:
                 counts = torch.bincount(torch.tensor(chosen), minlength=vocab).to(scores.device)
-                group_scores = group_scores - self.diversity_penalty * counts
+                group_scores = group_scores - self.params.diversity_penalty * counts
             cand = group.top_candidates(group.accumulate(group_scores), vocab)
             parents, tokens, done_now = group.advance(cand, row_offset=start)
             finished += done_now

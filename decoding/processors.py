@@ -78,19 +78,21 @@ class ProcessorTensors:
 
 def build_processor_tensors(
     params: Sequence[DecodingParams],
-    prompt_ids: Sequence[TokenIds],
-    output_ids: Sequence[TokenIds],
+    histories: Sequence[tuple[TokenIds, TokenIds]],
     eos_ids: Sequence[int] | frozenset[int],
     vocab_size: int,
     device: torch.device | str,
 ) -> ProcessorTensors:
-    """Per-row processor entries; fields stay None when no row uses that processor."""
+    """Per-row processor entries from each row's params and (prompt, output) token ids; fields
+    stay None when no row uses that processor."""
     bias, repetition, penalties, bans = (
         PairsBuilder(),
         PairsBuilder(),
         PairsBuilder(),
         PairsBuilder(),
     )
+    prompt_ids = [prompt for prompt, _ in histories]
+    output_ids = [output for _, output in histories]
     for r, p in enumerate(params):
         if p.logit_bias:
             bias.add(r, list(p.logit_bias), list(p.logit_bias.values()))

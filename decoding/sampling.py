@@ -81,7 +81,7 @@ class SamplingTensors:
         return cls(
             num_rows=len(params),
             processors=build_processor_tensors(
-                params, prompt_ids, output_ids, eos_ids, vocab_size, device
+                params, list(zip(prompt_ids, output_ids)), eos_ids, vocab_size, device
             ),
             warpers=build_warper_tensors(params, warped, min_keep, vocab_size, device),
             beam_rows=torch.tensor(beam_list, dtype=torch.long, device=device)

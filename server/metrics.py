@@ -48,7 +48,7 @@ class Metrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, ("model_name",), registry=self.registry).labels(*m)
 
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        def histogram(name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
             return Histogram(
                 PREFIX + name, doc, ("model_name",), buckets=buckets, registry=self.registry
             ).labels(*m)
@@ -57,21 +57,9 @@ class Metrics:
         self._waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self._kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self._batch_size = gauge("batch_size", "Sequences in the last engine step.")
+        self._preemptions = counter("num_preemptions", "Sequences preempted.").labels(*m)
         self._iteration_tokens = histogram(
             "iteration_tokens", "Tokens processed per engine step.", TOKEN_BUCKETS
-        )
-        self._preemptions = counter("num_preemptions", "Sequences preempted.").labels(*m)
-        self._ttft = histogram(
-            "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS
-        )
-        self._itl = histogram(
-            "inter_token_latency_seconds", "Time between consecutive tokens.", LATENCY_BUCKETS
-        )
-        self._e2e = histogram(
-            "e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS
-        )
-        self._queue_time = histogram(
-            "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
         )
         self._request_prompt = histogram(
             "request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS
@@ -79,6 +67,10 @@ class Metrics:
         self._request_generation = histogram(
             "request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS
         )
+        self._ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self._itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.")
+        self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        self._queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
         self._prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.").labels(*m)
         self._generation_tokens = counter("generation_tokens", "Tokens generated.").labels(*m)
         self._success = counter(

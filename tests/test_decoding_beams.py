@@ -18,7 +18,7 @@ from decoding import (
     process_logits,
     step_beam_searches,
 )
-from decoding.beam_search import BeamStep, FinishedHypotheses, Hypothesis
+from decoding.beam_scorer import BeamStep, FinishedHypotheses, Hypothesis
 
 EOS, A, B, C = 0, 1, 2, 3
 EOS_IDS = frozenset({EOS})

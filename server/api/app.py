@@ -213,14 +213,13 @@ def create_app(
         c = state.require()
         jobs = serving.completion_jobs(c, body)
         request_id = serving.new_request_id("completion")
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = (
             (
                 lambda: responses.stream_events(
                     c,
                     request_id,
                     jobs,
-                    include_usage,
+                    body.include_usage,
                     responses.completion_chunk_maker(c, request_id),
                 )
             )
@@ -236,10 +235,9 @@ def create_app(
         c = state.require()
         job = serving.chat_job(c, body)
         request_id = serving.new_request_id("chat")
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         make, first = responses.chat_chunk_maker(c, request_id, body.n)
         stream = (
-            (lambda: responses.stream_events(c, request_id, [job], include_usage, make, first))
+            (lambda: responses.stream_events(c, request_id, [job], body.include_usage, make, first))
             if body.stream
             else None
         )

@@ -63,6 +63,11 @@ class SamplingFields(OpenAIModel):
     early_stopping: bool | Literal["never"] = False
     do_sample: bool | None = None
 
+    @property
+    def include_usage(self) -> bool:
+        """A stream ends with a usage chunk when `stream_options.include_usage` asks for it."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -117,19 +122,21 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
-class CompletionChoice(BaseModel):
+class Choice(BaseModel):
+    """What every choice of a response or chunk carries besides its content."""
+
     index: int
-    text: str
     logprobs: Any = None
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class ResponseBody(BaseModel):
+    """The envelope of every completion response and chunk; `object` names the kind."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 
@@ -138,41 +145,37 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: Any = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class CompletionChoice(Choice):
+    text: str
+
+
+class ChatChoice(Choice):
+    message: ChatMessageOut
+
+
+class ChatChunkChoice(Choice):
     delta: ChatDelta
-    logprobs: Any = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class CompletionResponse(ResponseBody):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(ResponseBody):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage  # always sent
+
+
+class ChatCompletionChunk(ResponseBody):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

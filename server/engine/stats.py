@@ -25,11 +25,12 @@ class EngineStats:
     tokens_computed: int = 0
     tokens_generated: int = 0
     max_seqs_in_step: int = 0
+    step_seqs_histogram: dict[int, int] = field(default_factory=dict)  # rows in a step -> steps
+    # the KV cache
     preemptions: int = 0
     peak_blocks_used: int = 0
     prefix_cache_queries: int = 0  # tokens of admitted rows looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
-    step_seqs_histogram: dict[int, int] = field(default_factory=dict)
 
 
 class StatsRecorder:
