@@ -22,8 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from server.model.devices import DType
-from server.model.quantization import Quantization
+from server.model.devices import DType, Quantization
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {

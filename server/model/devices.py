@@ -1,7 +1,7 @@
-"""Where and in which floating-point format the model runs, chosen once at start-up.
+"""Where the model runs and in which number formats, chosen once at start-up.
 
 Torch is imported only when a device or dtype is picked, so the CLI and the config can name the
-choices without loading it.
+choices (dtypes here, quantizations here too; quantization.py has their kernels) without it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)  # "auto": bfloat16 on CUDA, float32 on the CPU
+Quantization = Literal["none", "int8", "int8-weights", "w8a8"]  # see quantization.py
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 def pick_device(name: str = "auto") -> torch.device:

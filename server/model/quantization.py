@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Literal, cast, get_args
+from typing import cast
 
 import torch
 
 from server.model.cpu_linear import replace_linears
+from server.model.devices import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
-Quantization = Literal["none", "int8", "int8-weights", "w8a8"]
-QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # Linear layers whose input has outlier channels that a per-token int8 scale would flatten:
 # under `w8a8` they keep int8 weights with floating-point activations.
 WEIGHT_ONLY_UNDER_W8A8 = frozenset({"down_proj"})
