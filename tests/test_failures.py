@@ -67,19 +67,44 @@ async def test_a_dead_loop_fails_pending_requests_and_health_turns_503(llama_dir
         ctx.engine.shutdown()
 
 
-async def test_beyond_the_waiting_queue_requests_get_503_with_retry_after(llama_dir) -> None:
+def hold_engine(ctx: ServingContext, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the engine's model step wait until the returned event is set."""
+    runner = ctx.engine.engine.runner
+    real = runner.execute
+    gate = threading.Event()
+
+    def held(*args, **kwargs):
+        assert gate.wait(timeout=30), "test never released the engine"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", held)
+    return gate
+
+
+async def test_beyond_the_waiting_queue_requests_get_503_with_retry_after(
+    llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 running + 2 waiting fit; of 8 requests sent while the engine is held, exactly the 4
+    beyond that are refused, and the 4 admitted ones complete once it runs."""
     ctx = serving_context(make_engine(llama_dir), max_num_seqs=2, max_waiting_requests=2)
+    gate = hold_engine(ctx, monkeypatch)
     app = create_app(ctx=ctx)
     try:
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://t"
         ) as c:
             body = {"prompt": "Hello", "max_tokens": 30, "ignore_eos": True}
-            replies = await asyncio.gather(
-                *(c.post("/v1/completions", json=body) for _ in range(8))
-            )
+            tasks = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(8)]
+            for _ in range(1000):  # the refused ones answer at once, the engine still held
+                if sum(t.done() for t in tasks) == 4:
+                    break
+                await asyncio.sleep(0.01)
+            refused_early = [t.result().status_code for t in tasks if t.done()]
+            gate.set()
+            replies = await asyncio.gather(*tasks)
+        assert refused_early == [503] * 4
         codes = sorted(r.status_code for r in replies)
-        assert set(codes) == {200, 503} and codes.count(200) >= 4
+        assert codes == [200] * 4 + [503] * 4
         for r in replies:
             if r.status_code == 503:
                 assert r.headers["retry-after"] and r.json()["error"]["code"] == "overloaded"
@@ -96,6 +121,7 @@ async def test_beyond_the_waiting_queue_requests_get_503_with_retry_after(llama_
         )
         assert refused == codes.count(503)
     finally:
+        gate.set()
         ctx.engine.shutdown()
 
 
@@ -103,15 +129,7 @@ async def test_config_bounds_the_queue(llama_dir, monkeypatch: pytest.MonkeyPatc
     """max_num_seqs=3, max_waiting_requests=0: three requests in flight, the fourth gets 503
     overloaded; a request with more prompts than that could never fit: 400 too_many_prompts."""
     ctx = serving_context(make_engine(llama_dir), max_num_seqs=3, max_waiting_requests=0)
-    runner = ctx.engine.engine.runner
-    real = runner.execute
-    gate = threading.Event()
-
-    def held(*args, **kwargs):  # the engine holds its requests until the test lets it go
-        assert gate.wait(timeout=30), "test never released the engine"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "execute", held)
+    gate = hold_engine(ctx, monkeypatch)
     app = create_app(ctx=ctx)
     state = app.state.serving
     try:
