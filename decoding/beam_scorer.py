@@ -12,6 +12,10 @@ Semantics are those of Hugging Face v4's `BeamSearchScorer` / `BeamHypotheses` (
   the maximum length instead when length_penalty > 0 (the exact bound);
 - at the length limit the running beams join the set (unless already done) and the best
   `n` (num_return_sequences) are returned, best first.
+
+Not in HF: when no candidate of a group is finite (a constraint left no beam a legal token), the
+group stops and its running beams join the set with finish reason "no_legal_token" (HF would go
+on with -inf beams).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 from decoding.params import EarlyStopping
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "no_legal_token"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,9 @@ class BeamGroup:
         start at `row_offset` in the step's input. Returns the new beams' (parent rows, tokens)
         (group-local) and the (input row, token) of the hypotheses finished now."""
         length = self.generated + 1  # new tokens including the one chosen now
+        if not cand.scores or cand.scores[0] == -math.inf:
+            self.close("no_legal_token")
+            return [], [], []
         parents: list[int] = []
         tokens: list[int] = []
         scores: list[float] = []
@@ -200,7 +207,7 @@ class BeamGroup:
         self.beam_scores = torch.tensor(scores, dtype=torch.float32)
         return parents, tokens, finished
 
-    def close(self) -> None:
+    def close(self, reason: FinishReason = "length") -> None:
         """HF `finalize`: running beams join the finished set unless the scorer already stopped."""
         if not self.scorer_done:
             for tokens, rows, score in zip(
@@ -209,9 +216,9 @@ class BeamGroup:
                 self.finished.add(
                     Hypothesis(
                         list(tokens),
-                        self.finished.score(score, len(tokens)),
+                        self.finished.score(score, max(1, len(tokens))),
                         score,
-                        "length",
+                        reason,
                         self.index,
                         rows,
                     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decoding.constraints import ConstraintMask, apply_constraint_mask_
 from decoding.params import BEAM_STRATEGIES, DecodingParams
 from decoding.processors import (
     ProcessorTensors,
@@ -47,6 +48,7 @@ class SamplingTensors:
     sample_row_list: list[int]
     logprob_rows: list[int]  # non-beam rows that asked for logprobs or rank samples (best_of);
     # beam rows get theirs from BeamStep (parents, tokens) and (finished) pairs
+    constraint: ConstraintMask | None = None  # allowed tokens of the constrained rows
 
     @property
     def all_greedy(self) -> bool:
@@ -61,12 +63,14 @@ class SamplingTensors:
         eos_ids: Sequence[int] | frozenset[int],
         vocab_size: int,
         device: torch.device | str,
+        constraint: ConstraintMask | None = None,
     ) -> SamplingTensors:
         """Tensors for R rows: each row's params, its prompt and the tokens it generated so far.
 
         A request with width W > 1 contributes W rows (its n samples or its beams, in order), each
         with its own `output_ids`. `eos_ids` are the model's EOS ids (the request's
-        `stop_token_ids` and `ignore_eos` are applied per row).
+        `stop_token_ids` and `ignore_eos` are applied per row). `constraint`: the mask of
+        the constrained rows (`build_constraint_mask`, constraints.py), if any.
         """
         strategies = [p.strategy for p in params]
         beam = [s in BEAM_STRATEGIES for s in strategies]
@@ -96,6 +100,7 @@ class SamplingTensors:
                 for r, (p, s) in enumerate(zip(params, strategies))
                 if s not in BEAM_STRATEGIES and (p.logprobs is not None or s == "best_of")
             ],
+            constraint=constraint,
         )
 
 
@@ -105,12 +110,14 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     A batch with nothing to process (plain greedy / temperature-1 rows) costs no copy at all.
     """
     scores = logits.float()
-    if t.beam_rows is None and t.processors.empty and t.warpers is None:
+    if t.beam_rows is None and t.processors.empty and t.warpers is None and t.constraint is None:
         return scores
     if scores.data_ptr() == logits.data_ptr():
         scores = scores.clone()  # every step below works in place on our own copy
     if t.beam_rows is not None:
         scores[t.beam_rows] = scores[t.beam_rows].log_softmax(dim=-1)
+    if t.constraint is not None:  # HF: the prefix-constrained mask, after log_softmax for beams
+        apply_constraint_mask_(scores, t.constraint)
     apply_processors_(scores, t.processors)
     return apply_warpers_(scores, t.warpers)
 

@@ -24,6 +24,7 @@ CONFIG_ONLY_KEYS = frozenset(
         "max_logprobs",
         "max_stop_sequences",
         "max_prompts_per_request",
+        "max_grammar_bytes",
     }
 )
 

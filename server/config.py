@@ -107,6 +107,15 @@ class ServerConfig(BaseModel):
     max_logprobs: int = Field(20, ge=0, description="most top logprobs a request may ask for")
     max_stop_sequences: int = Field(16, ge=0, description="most stop strings per request")
     max_prompts_per_request: int = Field(16, ge=1, description="most prompts per completion")
+    max_grammar_bytes: int = Field(
+        256 * 1024, ge=1, description="largest schema / regex / grammar a request may send"
+    )
+    grammar_cache_size: int = Field(
+        256, ge=0, description="compiled grammars kept for reuse (0 = compile every time)"
+    )
+    grammar_compile_timeout: float = Field(
+        10.0, gt=0, description="seconds a grammar may take to compile; then 400"
+    )
     max_waiting_requests: int = Field(
         256, ge=0, description="queued requests beyond running; then 503"
     )

@@ -16,13 +16,17 @@ from prometheus_client.exposition import generate_latest
 from decoding.params import STRATEGIES
 
 FAILURE_REASONS = ("validation", "aborted", "overloaded", "internal")
-FINISHED_REASONS = ("stop", "length")
+FINISHED_REASONS = ("stop", "length", "no_legal_token")  # engine reasons (decoding/constraints.py)
 UNKNOWN_STRATEGY = "unknown"  # a failure before the request was parsed
 
 # 1 ms (a CPU decode step of a tiny model) up to 10 min (a long beam search behind a queue).
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+MASK_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
 )  # fmt: skip
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))  # 1 .. 32768 tokens
 
@@ -83,6 +87,24 @@ class Metrics:
         self._prefix_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         ).labels(*m)
+        # Structured outputs: grammar compiles (server/grammars.py) and per-step masks (engine).
+        self._grammar_compiles = counter(
+            "grammar_compiles", "Grammars compiled (cache misses that compiled)."
+        ).labels(*m)
+        self._grammar_failures = counter(
+            "grammar_compile_failures", "Grammars that failed to compile or timed out."
+        ).labels(*m)
+        self._grammar_hits = counter(
+            "grammar_cache_hits", "Grammar requests served from the compiled-grammar cache."
+        ).labels(*m)
+        self._grammar_compile_time = histogram(
+            "grammar_compile_seconds", "Time to compile one grammar.", MASK_BUCKETS
+        )
+        self._mask_time = histogram(
+            "grammar_mask_seconds",
+            "Time per engine step to build the allowed-token mask of its constrained rows.",
+            MASK_BUCKETS,
+        )
         # Expose every label combination at 0 from the start, so rate() sees the first event.
         for strategy in STRATEGIES:
             for finished in FINISHED_REASONS:
@@ -149,6 +171,17 @@ class Metrics:
             raise ValueError(f"prefix cache hits ({hits}) must be within [0, queries={queries}]")
         self._prefix_queries.inc(queries)
         self._prefix_hits.inc(hits)
+
+    def record_grammar_compile(self, seconds: float, *, ok: bool) -> None:
+        """A grammar compiled (or failed to) in `seconds`."""
+        self._grammar_compile_time.observe(seconds)
+        (self._grammar_compiles if ok else self._grammar_failures).inc()
+
+    def record_grammar_cache_hit(self) -> None:
+        self._grammar_hits.inc()
+
+    def observe_constraint_mask(self, seconds: float) -> None:
+        self._mask_time.observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """Body and content type of the Prometheus text exposition, for `GET /metrics`."""

@@ -673,13 +673,16 @@ RAW_BODIES = [
         "raw-long-unknown-key",
         "raw_bodies",
         encode({"k" * 30_000: 1, "prompt": "x", "max_tokens": 1}),
-        200,
+        400,
+        code="unknown_field",
     ),
     case(
         "raw-many-unknown-keys",
         "raw_bodies",
         encode({**{f"k{i}": i for i in range(3000)}, "prompt": "x", "max_tokens": 1}),
-        200,
+        400,
+        param="k0",
+        code="unknown_field",
     ),
 ]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.metrics import FAILURE_REASONS, STRATEGIES, Metrics
+from server.metrics import FAILURE_REASONS, FINISHED_REASONS, STRATEGIES, Metrics
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -74,7 +74,7 @@ def test_counters(metrics: Metrics) -> None:
 
 def test_every_label_combination_is_exposed_from_the_start() -> None:
     s = scrape(Metrics("tiny"))
-    assert len(s["beamline:request_success_total"]) == len(STRATEGIES) * 2
+    assert len(s["beamline:request_success_total"]) == len(STRATEGIES) * len(FINISHED_REASONS)
     assert len(s["beamline:request_failure_total"]) == (len(STRATEGIES) + 1) * len(FAILURE_REASONS)
     assert value(s, "beamline:generation_tokens_total") == 0
 

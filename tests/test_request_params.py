@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 
 from decoding import DecodingParams
-from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.api.protocol import (
+    IGNORED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from server.api.request_params import CONVERTED_FIELDS, PASSED_AS_IS, decoding_params
 from server.api.serving import ServingContext
 from server.config import ServerConfig
@@ -22,12 +27,31 @@ PARAMS_DEFAULTS = {
     f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     for f in dataclasses.fields(DecodingParams)
 }
-# Request fields that are no decoding parameter (bad_words feeds bad_words_ids).
-NOT_PARAMS = {"model", "stream", "stream_options", "user", "bad_words"}
+# Request fields that are no decoding parameter (bad_words feeds bad_words_ids; the structured
+# output fields become the request's constraint, server/api/structured.py).
+NOT_PARAMS = {
+    "model",
+    "stream",
+    "stream_options",
+    "bad_words",
+    "response_format",
+    "structured_outputs",
+    *IGNORED_FIELDS,
+}
 # Fields of each endpoint's own, beyond SamplingFields.
 ENDPOINT_FIELDS = {
-    CompletionRequest: {"prompt", "echo", "logprobs"},
-    ChatCompletionRequest: {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    CompletionRequest: {"prompt", "echo", "logprobs", "suffix"},
+    ChatCompletionRequest: {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "add_generation_prompt",
+        "continue_final_message",
+    },
 }
 
 
@@ -50,7 +74,9 @@ def test_the_request_declares_no_decoding_field_that_params_lacks() -> None:
 
 
 def context(**config: Any) -> ServingContext:
-    engine = SimpleNamespace(kv_capacity=KVCapacity(num_blocks=64, block_size=16))
+    engine = SimpleNamespace(
+        kv_capacity=KVCapacity(num_blocks=64, block_size=16), eos_token_ids=frozenset({2})
+    )
     return ServingContext(
         engine=engine,  # type: ignore[arg-type]
         tokenizer=None,  # type: ignore[arg-type]

@@ -64,7 +64,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(path: str | Path, arch: str = "gemma3", seed: int = 0) -> Path:
+def build_tiny_model(
+    path: str | Path, arch: str = "gemma3", seed: int = 0, max_position_embeddings: int = 512
+) -> Path:
     """Write a tiny random model of `arch` plus tokenizer to `path` and return it."""
     path = Path(path)
     tokenizer = build_tokenizer()
@@ -78,7 +80,7 @@ def build_tiny_model(path: str | Path, arch: str = "gemma3", seed: int = 0) -> P
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -212,6 +212,7 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request):
         c = state.require()
         jobs = serving.completion_jobs(c, body)
+        await serving.compile_constraints(c, jobs)
         request_id = serving.new_request_id("completion")
         stream = (
             (
@@ -234,8 +235,9 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         c = state.require()
         job = serving.chat_job(c, body)
+        await serving.compile_constraints(c, [job])
         request_id = serving.new_request_id("chat")
-        make, first = responses.chat_chunk_maker(c, request_id, body.n)
+        make, first = responses.chat_chunk_maker(c, request_id, body.n, job.tool_plan)
         stream = (
             (lambda: responses.stream_events(c, request_id, [job], body.include_usage, make, first))
             if body.stream

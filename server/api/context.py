@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
+from server.grammars import GrammarService
 from server.metrics import Metrics
 
 
@@ -20,3 +21,14 @@ class ServingContext:
     vocab_size: int
     config: ServerConfig
     metrics: Metrics | None = None
+    grammars: GrammarService = field(init=False)  # structured outputs' compiles and cache
+
+    def __post_init__(self) -> None:
+        self.grammars = GrammarService(
+            self.tokenizer,
+            self.vocab_size,
+            self.engine.eos_token_ids,
+            cache_size=self.config.grammar_cache_size,
+            timeout_s=self.config.grammar_compile_timeout,
+            metrics=self.metrics,
+        )

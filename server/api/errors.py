@@ -68,6 +68,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+MAX_PARAM_CHARS = 200
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
@@ -109,10 +110,20 @@ def install_error_handlers(
         if first.get("type") == "json_invalid":
             return bad_request("request body is not valid JSON", code="invalid_json").response()
         param = _loc_to_param(tuple(first.get("loc", ())))
-        message = f"{param}: {first['msg']}" if param else first["msg"]
+        code = "invalid_value"
+        if param is not None and len(param) > MAX_PARAM_CHARS:  # never echo a huge key back
+            param = param[:MAX_PARAM_CHARS] + "..."
+        if first.get("type") == "extra_forbidden":
+            code = "unknown_field"
+            message = (
+                f"unknown field {param!r}: this server does not implement it (fields that change "
+                "nothing here are accepted; see README, Request fields)"
+            )
+        else:
+            message = f"{param}: {first['msg']}" if param else first["msg"]
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem(s))"
-        return bad_request(message, param=param, code="invalid_value").response()
+        return bad_request(message, param=param, code=code).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

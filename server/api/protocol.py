@@ -6,22 +6,91 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# Request fields OpenAI clients send that change nothing in what this server returns: accepted
+# and ignored (README, "Request fields"). Any other unknown field is a 400 naming it.
+IGNORED_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "prediction",
+)
+
+
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do for forward compatibility.
-    # Strict types: "0.5" is not a temperature and true is not a token count (ints still pass as
-    # floats).
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """Base of every request body part.
+
+    - An unknown field is a 400 naming it: a field we do not implement must never be silently
+      ignored. The harmless ones are declared (IGNORED_FIELDS).
+    - An explicit null means "use the default" (clients send it for any nullable field); only a
+      required field cannot be null.
+    - Strict types: "0.5" is not a temperature and true is not a token count (ints still pass as
+      floats).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        required = {
+            key
+            for name, info in cls.model_fields.items()
+            if info.is_required()
+            for key in (name, info.alias)
+            if key
+        }
+        return {k: v for k, v in data.items() if v is not None or k in required}
 
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    include_obfuscation: bool = True  # accepted; chunks carry no obfuscation padding here
+
+
+class JSONSchemaFormat(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # every schema is enforced, strict or not
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")  # a schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, as llguidance takes it
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice or grammar")
+        return self
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -42,7 +111,17 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    # Structured outputs (server/api/structured.py): at most one of the two.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # Accepted and ignored (IGNORED_FIELDS).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
     # Processors and warpers (ranges are checked by decoding.DecodingParams, naming the field).
     min_p: float = 0.0
     typical_p: float = 1.0
@@ -78,6 +157,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
+    suffix: str | None = None  # refused unless empty: no insertion (fill-in-the-middle) here
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts, each text or token ids."""
@@ -94,9 +174,44 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # arguments are enforced by the schema, strict or not
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -109,6 +224,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
 
 
 class PromptTokensDetails(BaseModel):
@@ -140,14 +260,39 @@ class ResponseBody(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the reply is only tool calls
+    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=lambda calls: calls is None)
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class CompletionChoice(Choice):

@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from server.api import tools
 from server.api.errors import APIError
 from server.api.logprob_format import chat_logprobs, completion_logprobs
 from server.api.protocol import (
@@ -20,7 +21,9 @@ from server.api.protocol import (
     ChatMessageOut,
     CompletionChoice,
     CompletionResponse,
+    FunctionCallDelta,
     PromptTokensDetails,
+    ToolCallDelta,
     Usage,
 )
 from server.api.serving import Job, ServingContext
@@ -31,7 +34,8 @@ from server.engine.request import RequestOutput, TokenLogprob
 def _engine_outputs(
     ctx: ServingContext, request_id: str, job: Job
 ) -> AsyncGenerator[RequestOutput, None]:
-    return ctx.engine.generate(request_id, job.prompt_ids, job.params)
+    constraint = job.grammar.new_constraint() if job.grammar is not None else None
+    return ctx.engine.generate(request_id, job.prompt_ids, job.params, constraint)
 
 
 async def run_jobs(
@@ -143,18 +147,24 @@ async def chat_response(ctx: ServingContext, request_id: str, job: Job) -> ChatC
     return ChatCompletionResponse(
         id=request_id,
         model=ctx.model_name,
-        choices=[
-            ChatChoice(
-                index=i,
-                message=ChatMessageOut(content=c.text),
-                finish_reason=c.finish_reason,
-                logprobs=chat_logprobs(ctx.tokenizer, c.logprobs)
-                if c.logprobs is not None
-                else None,
-            )
-            for i, c in sorted(choices.items())
-        ],
+        choices=[_chat_choice(ctx, job, i, c) for i, c in sorted(choices.items())],
         usage=usage,
+    )
+
+
+def _chat_choice(ctx: ServingContext, job: Job, index: int, c: ChoiceResult) -> ChatChoice:
+    message = ChatMessageOut(content=c.text)
+    reason = c.finish_reason
+    if job.tool_plan is not None:
+        parsed = tools.parse_reply(c.text, job.tool_plan)
+        if parsed.tool_calls:
+            message = ChatMessageOut(content=parsed.content, tool_calls=parsed.tool_calls)
+            reason = "tool_calls" if reason == "stop" else reason
+    return ChatChoice(
+        index=index,
+        message=message,
+        finish_reason=reason,
+        logprobs=chat_logprobs(ctx.tokenizer, c.logprobs) if c.logprobs is not None else None,
     )
 
 
@@ -242,9 +252,12 @@ def completion_chunk_maker(
 
 
 def chat_chunk_maker(
-    ctx: ServingContext, request_id: str, n: int
+    ctx: ServingContext, request_id: str, n: int, tool_plan: tools.ToolPlan | None = None
 ) -> tuple[Callable[[int, str, RequestOutput | None], dict], list[dict]]:
+    """Chunks of a chat stream. With tools, each choice's text goes through a `ReplyStream`,
+    which holds back what may be a call; calls are sent whole when the choice ends."""
     created = int(time.time())
+    replies: dict[int, tools.ReplyStream] = {}
 
     def chunk(choices: list[ChatChunkChoice]) -> dict:
         body = ChatCompletionChunk(
@@ -257,14 +270,30 @@ def chat_chunk_maker(
     def make(index: int, prefix: str, out: RequestOutput | None) -> dict:
         if out is None:
             return chunk([])
-        delta = ChatDelta(content=out.text) if out.text else ChatDelta()
+        text, reason, calls = out.text, out.finish_reason, None
+        if tool_plan is not None:
+            reply = replies.setdefault(index, tools.ReplyStream(tool_plan))
+            text = reply.push(text)
+            if out.finished:
+                tail, parsed = reply.finish()
+                text += tail
+                if parsed.tool_calls:
+                    calls = [
+                        ToolCallDelta(
+                            index=k,
+                            id=call.id,
+                            type="function",
+                            function=FunctionCallDelta(
+                                name=call.function.name, arguments=call.function.arguments
+                            ),
+                        )
+                        for k, call in enumerate(parsed.tool_calls)
+                    ]
+                    reason = "tool_calls" if reason == "stop" else reason
+        delta = ChatDelta(content=text or None, tool_calls=calls)
         logprobs = chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs is not None else None
         return chunk(
-            [
-                ChatChunkChoice(
-                    index=index, delta=delta, finish_reason=out.finish_reason, logprobs=logprobs
-                )
-            ]
+            [ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)]
         )
 
     first = [

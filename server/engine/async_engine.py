@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from decoding import DecodingParams
+from decoding.constraints import TokenConstraint
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput
 from server.logs import request_id_var
@@ -69,6 +70,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence ids (a grammar may end only where it is complete)."""
+        return self.engine.eos_token_ids
+
+    @property
     def kv_capacity(self) -> KVCapacity:
         return KVCapacity(self.engine.pool.num_blocks, self.engine.pool.block_size)
 
@@ -83,9 +89,16 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: DecodingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: DecodingParams,
+        constraint: TokenConstraint | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished.
+
+        `constraint`: the state every output starts from (a fresh one per request: the engine
+        advances it), or None.
 
         Leaving the iteration early (client gone, task cancelled) aborts the request, which frees
         its KV blocks at the engine's next step.
@@ -102,7 +115,14 @@ class AsyncEngine:
                 self.engine.abort(request_id)
 
         self.engine.submit(
-            EngineRequest(request_id, prompt_ids, params, emit, trace_id=request_id_var.get())
+            EngineRequest(
+                request_id,
+                prompt_ids,
+                params,
+                emit,
+                trace_id=request_id_var.get(),
+                constraint=constraint,
+            )
         )
         done = False
         try:

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decoding import BeamStep, make_beam_search
+from decoding.constraints import NO_LEGAL_TOKEN
 from server.engine import beams
 from server.engine.block_pool import BlockPool
 from server.engine.output_processor import OutputProcessor
@@ -115,7 +116,9 @@ class Engine:
         if params.is_beam:
             room = self.max_model_len - len(req.prompt_ids)
             req.search = make_beam_search(params, self.eos_token_ids, max_new_tokens=room)
-        req.rows.append(Sequence(req, list(req.prompt_ids), len(req.prompt_ids)))
+        first = Sequence(req, list(req.prompt_ids), len(req.prompt_ids))
+        first.constraint, req.constraint = req.constraint, None  # the row owns it from now on
+        req.rows.append(first)
         self._requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -148,6 +151,8 @@ class Engine:
         if index is not None:  # rows were forked: each child samples from its parent's logits
             logits = logits.index_select(0, torch.tensor(index, device=logits.device))
         choices = choose(rows, logits, self.eos_token_ids)
+        if choices.mask_seconds is not None:
+            self.recorder.constraint_mask(choices.mask_seconds)
         beam_reqs: list[tuple[EngineRequest, slice]] = []
         now = time.monotonic()
         start = 0
@@ -159,7 +164,10 @@ class Engine:
             else:
                 self.recorder.tokens(req, len(req.rows), now)
                 for r in range(span.start, span.stop):
-                    self._append(rows[r], choices.tokens[r], choices.logprobs.get(r))
+                    if r in choices.no_token:
+                        self._end_unconstrainable(rows[r])
+                    else:
+                        self._append(rows[r], choices.tokens[r], choices.logprobs.get(r))
             start = span.stop
         if beam_reqs:
             reqs = [req for req, _ in beam_reqs]
@@ -172,20 +180,35 @@ class Engine:
 
     # ---- rows that sample on their own: greedy, sampling, n, best_of ----------------------------
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        constraint = seq.constraint
+        if constraint is not None and token not in seq.request.finishing_ids:
+            if not constraint.advance(token):  # the mask allowed it: a limit hit mid-way
+                log.warning(
+                    "request %s: constraint failed on token %d", seq.request.request_id, token
+                )
+                self._finish_row(seq, NO_LEGAL_TOKEN, appended=False)
+                return
         reason = self.output.append(seq, token, logprob)
-        if reason is None:
-            return
+        if reason is not None:
+            self._finish_row(seq, reason)
+
+    def _end_unconstrainable(self, seq: Sequence) -> None:
+        """Nothing was left to choose: a complete output stops, an incomplete one says so."""
+        done = seq.constraint is not None and seq.constraint.accepting
+        self._finish_row(seq, "stop" if done else NO_LEGAL_TOKEN, appended=False)
+
+    def _finish_row(self, seq: Sequence, reason: str, appended: bool = True) -> None:
         req = seq.request
         seq.finish_reason = reason
         req.rows.remove(seq)
         req.done_rows.append(seq)
         self.scheduler.release_row(seq)
         if req.rows:
-            self.output.finish_row(seq, reason, request_done=False)
+            self.output.finish_row(seq, reason, request_done=False, appended=appended)
             return
         self._close_request(req, reason)  # metrics first: never behind what clients see
         if req.streams:
-            self.output.finish_row(seq, reason, request_done=True)
+            self.output.finish_row(seq, reason, request_done=True, appended=appended)
         else:  # best_of: every sample is in; return the n most likely
             self.output.emit_best_samples(req)
 
@@ -193,6 +216,9 @@ class Engine:
     def _apply_beam_step(self, req: EngineRequest, beam_step: BeamStep) -> None:
         if not beam_step.done:
             self.scheduler.fork_beams(req, beam_step.parents, beam_step.tokens)
+            for row, token in zip(req.rows, beam_step.tokens):
+                if row.constraint is not None:
+                    row.constraint.advance(token)  # a failure leaves the beam no candidates
             if not req.rows or len(req.rows[0].token_ids) < self.max_model_len:
                 return
         hypotheses = beams.search_of(req).finalize()

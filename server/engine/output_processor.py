@@ -57,8 +57,11 @@ class OutputProcessor:
             _emit(req, seq.index, delta, [token], None, seq.num_output, seq.logprobs[-1:] or None)
         return None
 
-    def finish_row(self, seq: Sequence, reason: str, request_done: bool) -> None:
-        """The last output of a streaming row: whatever text it still holds back."""
+    def finish_row(
+        self, seq: Sequence, reason: str, request_done: bool, appended: bool = True
+    ) -> None:
+        """The last output of a streaming row: whatever text it still holds back, and its last
+        token unless the row ended without one (`appended` False: nothing left to choose)."""
         text = self._text(seq)
         if text is None:
             return
@@ -68,7 +71,7 @@ class OutputProcessor:
             seq.request,
             seq.index,
             text.detok.text[text.sent :],
-            seq.token_ids[-1:],
+            seq.token_ids[-1:] if appended else [],
             reason,
             seq.num_output,
             seq.logprobs[-1:] or None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding import BeamSearch, DecodingParams, GroupBeamSearch
+from decoding.constraints import TokenConstraint
 from server.engine.detokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
@@ -36,7 +37,7 @@ class RequestOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # stop | length | abort | error
+    finish_reason: str | None  # stop | length | no_legal_token | abort | error
     prompt_tokens: int
     completion_tokens: int  # total so far for this choice
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -75,6 +76,7 @@ class Sequence:
     cumulative_logprob: float = 0.0  # raw-model log-likelihood of the output (best_of ranks by it)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked for
     text: SequenceText | None = None  # streaming rows only (see output_processor.py)
+    constraint: TokenConstraint | None = None  # this row's own state (decoding/constraints.py)
 
     @property
     def output_ids(self) -> list[int]:
@@ -101,6 +103,7 @@ class EngineRequest:
     params: DecodingParams
     emit: Callable[[RequestOutput], None]  # must be thread-safe: called from the engine thread
     trace_id: str | None = None  # the client's X-Request-Id, for logs
+    constraint: TokenConstraint | None = None  # the first row's state; rows fork their own
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
     rows: list[Sequence] = field(default_factory=list)  # active rows, in sibling order

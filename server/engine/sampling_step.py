@@ -1,18 +1,20 @@
 """One call into decoding/ for every row that samples in a step, whatever its strategy.
 
-Per-row parameters become tensors once per step (`SamplingTensors`), the logits are processed
-(penalties, bans, warpers) and a token is chosen per row; rows whose request asked for logprobs
-(beams excepted: beams.py keeps theirs) get the raw model's logprob of that token and its top
-alternatives.
+Per-row parameters become tensors once per step (`SamplingTensors`), constrained rows get their
+allowed-token mask (`build_constraint_mask`), the logits are processed (mask, penalties, bans,
+warpers) and a token is chosen per row; rows whose request asked for logprobs (beams excepted:
+beams.py keeps theirs) get the raw model's logprob of that token and its top alternatives.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from decoding import SamplingTensors, choose_tokens, process_logits, token_logprobs
+from decoding.constraints import build_constraint_mask, rows_without_tokens
 from server.engine.request import Sequence, TokenLogprob
 
 
@@ -21,18 +23,33 @@ class Choices:
     scores: torch.Tensor  # [R, V] processed log-probs (beam searches step on these)
     tokens: list[int]  # the chosen token of each row (unused by beam rows)
     logprobs: dict[int, TokenLogprob]  # by row, for the rows that asked for logprobs
+    no_token: set[int] = field(default_factory=set)  # constrained rows left nothing to choose
+    mask_seconds: float | None = None  # time spent building constraint masks (None: no rows)
 
 
 def choose(rows: list[Sequence], logits: torch.Tensor, eos_ids: frozenset[int]) -> Choices:
     """Process `logits` [R, V] of `rows` and choose each row's next token."""
     params = [s.request.params for s in rows]
+    vocab = logits.shape[-1]
+    mask, mask_seconds = None, None
+    if any(s.constraint is not None for s in rows):
+        start = time.perf_counter()
+        mask = build_constraint_mask(
+            [s.constraint for s in rows],
+            [s.request.finishing_ids for s in rows],
+            eos_ids,
+            vocab,
+            logits.device,
+        )
+        mask_seconds = time.perf_counter() - start
     tensors = SamplingTensors.from_rows(
         params,
         [s.request.prompt_ids for s in rows],
         [s.output_ids for s in rows],
         eos_ids,
-        logits.shape[-1],
+        vocab,
         logits.device,
+        constraint=mask,
     )
     scores = process_logits(logits, tensors)
     tokens = choose_tokens(scores, tensors, [s.request.generator for s in rows]).tolist()
@@ -44,4 +61,5 @@ def choose(rows: list[Sequence], logits: torch.Tensor, eos_ids: frozenset[int]) 
         for i, r in enumerate(wanted):
             chosen, alternatives = lp.row(i, params[r].logprobs or 0)
             logprobs[r] = TokenLogprob(tokens[r], chosen, alternatives)
-    return Choices(scores, tokens, logprobs)
+    no_token = rows_without_tokens(scores, mask)
+    return Choices(scores, tokens, logprobs, no_token, mask_seconds)

@@ -165,20 +165,27 @@ class Scheduler:
                 self.prefix_cache.register(seq, seq.num_computed - item.num_new)
         return sampling
 
-    def fork_row(self, parent: Sequence, token_ids: list[int], index: int) -> Sequence:
+    def fork_row(
+        self, parent: Sequence, token_ids: list[int], index: int, last_child: bool = False
+    ) -> Sequence:
         """A new row of `parent`'s request that shares every KV block of `parent` (copy-on-write
-        of a partly filled last block happens when either writes into it): beams, n, best_of."""
+        of a partly filled last block happens when either writes into it): beams, n, best_of.
+        The child gets a copy of the parent's constraint state; the `last_child` of a parent
+        that is going away takes the state itself."""
         child = Sequence(parent.request, token_ids, parent.prompt_len, index=index)
         child.num_computed = parent.num_computed
         child.block_table = self.pool.share(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        if parent.constraint is not None:
+            child.constraint = parent.constraint if last_child else parent.constraint.fork()
         return child
 
     def fork_beams(self, req: EngineRequest, parents: list[int], tokens: list[int]) -> None:
         """Replace a beam request's rows by their children: row `parents[i]` + `tokens[i]`."""
         old = req.rows
+        last = {p: i for i, p in enumerate(parents)}
         req.rows = [
-            self.fork_row(old[p], [*old[p].token_ids, token], index=i)
+            self.fork_row(old[p], [*old[p].token_ids, token], index=i, last_child=last[p] == i)
             for i, (p, token) in enumerate(zip(parents, tokens))
         ]
         for parent in old:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from server.engine.block_pool import BlockPool
 from server.engine.request import EngineRequest, Sequence
-from server.metrics import Metrics
+from server.metrics import FINISHED_REASONS, Metrics
 from server.work import WorkItem
 
 Number = int | float | bool
@@ -31,6 +31,9 @@ class EngineStats:
     peak_blocks_used: int = 0
     prefix_cache_queries: int = 0  # tokens of admitted rows looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
+    # constrained decoding: steps that built an allowed-token mask, and the time that took
+    constraint_mask_steps: int = 0
+    constraint_mask_seconds: float = 0.0
 
 
 class StatsRecorder:
@@ -60,6 +63,8 @@ class StatsRecorder:
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
             "prefix_cache_hit_rate": s.prefix_cache_hits / max(1, s.prefix_cache_queries),
+            "constraint_mask_steps": s.constraint_mask_steps,
+            "constraint_mask_seconds": s.constraint_mask_seconds,
         }
 
     def schedule(self, preempted: int, cache_queries: int, cache_hits: int) -> None:
@@ -97,6 +102,13 @@ class StatsRecorder:
         s.step_seqs_histogram[num_rows] = s.step_seqs_histogram.get(num_rows, 0) + 1
         if self.metrics is not None:
             self.metrics.observe_step(num_tokens=num_tokens, batch_size=num_rows)
+
+    def constraint_mask(self, seconds: float) -> None:
+        """A step built the allowed-token mask of its constrained rows in `seconds`."""
+        self.stats.constraint_mask_steps += 1
+        self.stats.constraint_mask_seconds += seconds
+        if self.metrics is not None:
+            self.metrics.observe_constraint_mask(seconds)
 
     def tokens(self, req: EngineRequest, count: int, now: float) -> None:
         """`count` tokens of `req` were generated at `now` (one per row that sampled)."""
@@ -137,7 +149,7 @@ class StatsRecorder:
         )
         if self.metrics is None:
             return
-        if reason in ("stop", "length"):
+        if reason in FINISHED_REASONS:
             self.metrics.record_request_success(
                 strategy=strategy,
                 finished_reason=reason,

@@ -1,0 +1,154 @@
+"""Grammar constraints on llguidance: JSON schemas, regexes, choices and Lark grammars.
+
+`GrammarCompiler` holds llguidance's view of the tokenizer (built once: about a second for a
+262k vocabulary) and compiles a `GrammarSpec` into a `Grammar`, an immutable compiled template.
+Each constrained row gets its own `GrammarConstraint` (a `TokenConstraint`, see constraints.py)
+from `Grammar.new_constraint()`: a copy of the template's matcher, so one compiled grammar serves
+any number of rows and requests.
+
+Why llguidance: its masks take ~50 us per token at a 128k vocabulary, compiles take milliseconds
+and are bounded by its parser limits (lexer fuel, grammar size), regexes run on derivatives (no
+backtracking, so no catastrophic patterns), and it takes Lark grammars as vLLM's guidance backend
+does. benchmarks/grammar_backends.py measures it against xgrammar on our tokenizer.
+
+JSON is compiled compact by default: `", "` between items, `": "` after keys and no other
+whitespace, so a small model cannot wander into endless newlines; a schema may override that with
+llguidance's `x-guidance` options (e.g. `{"whitespace_flexible": true}`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # a TypedDict of the type stubs only
+    from llguidance._lib import JsonCompileOptions
+
+GrammarKind = Literal["json", "json_object", "regex", "choice", "lark"]
+JSON_DEFAULTS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+class GrammarError(ValueError):
+    """The spec cannot be compiled (invalid, unsupported, or over the parser's limits)."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to constrain to. `source`: the JSON schema (as JSON text), the regex, the choices (a
+    JSON list of strings) or the Lark grammar; unused for json_object."""
+
+    kind: GrammarKind
+    source: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool) -> GrammarSpec:
+        """A schema as canonical JSON text, so equal schemas share one cache entry."""
+        return cls("json", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> GrammarSpec:
+        return cls("choice", json.dumps(choices, ensure_ascii=False))
+
+
+def llguidance_grammar(spec: GrammarSpec) -> str:
+    """The llguidance grammar text of a spec (nothing is checked before compiling)."""
+    if spec.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_DEFAULTS)
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=JSON_DEFAULTS
+        )
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "choice":
+        choices = json.loads(spec.source)
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise GrammarError("choice needs a non-empty list of non-empty strings")
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+    return llguidance.LLMatcher.grammar_from_lark(spec.source)
+
+
+class GrammarConstraint:
+    """One row's position in a grammar (an llguidance matcher)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    @property
+    def accepting(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher gave up (a limit hit mid-generation), or None."""
+        if not self.matcher.is_error():
+            return None
+        return self.matcher.get_error() or "grammar matcher failed"
+
+    def fill_allowed(self, bitmask: torch.Tensor, index: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, index)
+
+    def advance(self, token: int) -> bool:
+        return bool(self.matcher.consume_token(token))
+
+    def fork(self) -> GrammarConstraint:
+        return GrammarConstraint(self.matcher.deep_copy())
+
+
+class Grammar:
+    """A compiled grammar: the template every constrained row starts from."""
+
+    def __init__(self, spec: GrammarSpec, matcher: llguidance.LLMatcher) -> None:
+        self.spec = spec
+        self._matcher = matcher
+
+    def new_constraint(self) -> GrammarConstraint:
+        return GrammarConstraint(self._matcher.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles specs against one tokenizer. Thread-safe: `compile` may run in worker threads
+    (llguidance drops the GIL while it builds a grammar)."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        eos_ids: frozenset[int] | set[int] | tuple[int, ...],
+        limits: llguidance.LLParserLimits | None = None,
+    ) -> None:
+        eos = sorted(eos_ids)
+        self.vocab_size = vocab_size
+        self.limits = limits or llguidance.LLParserLimits(verbose_errors=False)
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer,  # type: ignore[arg-type]  # a fast tokenizer; llguidance checks
+            n_vocab=vocab_size,
+            eos_token=eos or None,
+        )
+
+    def compile(self, spec: GrammarSpec) -> Grammar:
+        """Compile `spec`, and compute its first mask (which builds the lexer) so that a grammar
+        over the parser's limits fails here, not in the engine. Raises GrammarError."""
+        try:
+            text = llguidance_grammar(spec)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(str(exc)) from exc
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0, limits=self.limits)
+        if not matcher.is_error():
+            bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return Grammar(spec, matcher)

@@ -1,0 +1,102 @@
+"""Compiling grammars for requests: off the event loop and the engine loop, bounded in time,
+cached by content, counted in /metrics.
+
+`GrammarService.compile(spec)` runs the compile in a small thread pool (llguidance releases the
+GIL while it builds), so neither the HTTP loop nor the engine thread ever waits for one. A compile
+that takes longer than the configured timeout is answered as a client error (the worker finishes
+on its own: llguidance's parser limits bound it). Equal specs share one cache entry and one
+in-flight compile. The tokenizer view llguidance needs is built at the first compile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+from transformers import PreTrainedTokenizerBase
+
+from decoding.grammar import Grammar, GrammarCompiler, GrammarSpec
+from server.metrics import Metrics
+
+
+class GrammarTimeout(Exception):
+    """The grammar did not compile within the configured time."""
+
+
+class GrammarService:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        eos_ids: frozenset[int],
+        *,
+        cache_size: int = 256,
+        timeout_s: float = 10.0,
+        metrics: Metrics | None = None,
+        workers: int = 2,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.cache_size = cache_size
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
+        self._pending: dict[GrammarSpec, asyncio.Future[Grammar]] = {}
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="beamline-grammar")
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+
+    async def compile(self, spec: GrammarSpec) -> Grammar:
+        """The compiled grammar of `spec`. Raises GrammarError (invalid) or GrammarTimeout."""
+        cached = self._cache.get(spec)
+        if cached is not None:
+            self._cache.move_to_end(spec)
+            if self.metrics is not None:
+                self.metrics.record_grammar_cache_hit()
+            return cached
+        pending = self._pending.get(spec)
+        if pending is None:
+            loop = asyncio.get_running_loop()
+            pending = asyncio.ensure_future(self._compile_and_store(spec, loop))
+            self._pending[spec] = pending
+            pending.add_done_callback(lambda _: self._pending.pop(spec, None))
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending), self.timeout_s)
+        except TimeoutError:
+            raise GrammarTimeout(
+                f"the grammar did not compile within {self.timeout_s:g} s"
+            ) from None
+
+    async def _compile_and_store(
+        self, spec: GrammarSpec, loop: asyncio.AbstractEventLoop
+    ) -> Grammar:
+        start = time.perf_counter()
+        try:
+            grammar = await loop.run_in_executor(self._executor, self._compile_blocking, spec)
+        except Exception:
+            if self.metrics is not None:
+                self.metrics.record_grammar_compile(time.perf_counter() - start, ok=False)
+            raise
+        if self.metrics is not None:
+            self.metrics.record_grammar_compile(time.perf_counter() - start, ok=True)
+        if self.cache_size > 0:
+            self._cache[spec] = grammar
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile_blocking(self, spec: GrammarSpec) -> Grammar:
+        return self._get_compiler().compile(spec)
+
+    def _get_compiler(self) -> GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._compiler
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
