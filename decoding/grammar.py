@@ -53,8 +53,9 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> GrammarSpec:
-        """A schema as canonical JSON text, so equal schemas share one cache entry."""
-        return cls("json", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+        """A schema as compact JSON text (its key order kept: properties are generated in the
+        order the schema lists them)."""
+        return cls("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
 
     @classmethod
     def choice(cls, choices: list[str]) -> GrammarSpec:

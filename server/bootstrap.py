@@ -61,8 +61,7 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
     )
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    log.info("serving %s from %s (max_model_len %d)", name, model_dir, engine.max_model_len)
-    return ServingContext(
+    ctx = ServingContext(
         engine=async_engine,
         tokenizer=tokenizer,
         model_name=name,
@@ -71,3 +70,8 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         config=config,
         metrics=metrics,
     )
+    started = time.monotonic()
+    ctx.grammars.prepare()  # structured outputs' first request must not wait for this
+    log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)
+    log.info("serving %s from %s (max_model_len %d)", name, model_dir, engine.max_model_len)
+    return ctx

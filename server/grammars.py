@@ -5,7 +5,8 @@ cached by content, counted in /metrics.
 GIL while it builds), so neither the HTTP loop nor the engine thread ever waits for one. A compile
 that takes longer than the configured timeout is answered as a client error (the worker finishes
 on its own: llguidance's parser limits bound it). Equal specs share one cache entry and one
-in-flight compile. The tokenizer view llguidance needs is built at the first compile.
+in-flight compile. The tokenizer view llguidance needs (seconds for a 262k vocabulary) is built by
+`prepare()` at start-up, or else at the first compile.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ class GrammarService:
 
     def _compile_blocking(self, spec: GrammarSpec) -> Grammar:
         return self._get_compiler().compile(spec)
+
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer now (the server does at start-up)."""
+        self._get_compiler()
 
     def _get_compiler(self) -> GrammarCompiler:
         with self._compiler_lock:

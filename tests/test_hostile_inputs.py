@@ -912,6 +912,67 @@ SECURED = [  # hostile Authorization spellings not already in test_guards.py
     ),
 ]
 
+
+# ---- structured outputs: hostile schemas, regexes and grammars -----------------------------------
+def _nested_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _schema_format(schema: Any) -> dict[str, Any]:
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    }
+
+
+SCHEMA_PARAM = "response_format.json_schema.schema"
+REGEX_PARAM = "structured_outputs.regex"
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1500)}}
+GRAMMARS = [
+    case("schema-nested-400", "grammars", comp(**_schema_format(_nested_schema(400))), 400,
+         SCHEMA_PARAM, "invalid_grammar"),
+    case("schema-nested-40", "grammars", comp(**_schema_format(_nested_schema(40))), 200),
+    case("schema-1500-properties", "grammars", comp(**_schema_format(WIDE)), 200),
+    case("schema-enum-4000", "grammars",
+         comp(**_schema_format({"enum": [f"v{i}" for i in range(4000)]})), 200),
+    case("schema-min-over-max", "grammars",
+         comp(**_schema_format({"type": "string", "minLength": 5, "maxLength": 2})), 400,
+         SCHEMA_PARAM, "invalid_grammar"),
+    case("schema-no-type-fits", "grammars",
+         comp(**_schema_format({"allOf": [{"type": "string"}, {"type": "integer"}]})), 400,
+         SCHEMA_PARAM, "invalid_grammar"),
+    case("schema-empty-enum", "grammars", comp(**_schema_format({"enum": []})), 400,
+         SCHEMA_PARAM, "invalid_grammar"),
+    case("schema-self-reference", "grammars", comp(**_schema_format({"$ref": "#"})), 400,
+         SCHEMA_PARAM, "invalid_grammar"),
+    case("schema-remote-reference", "grammars",
+         comp(**_schema_format({"$ref": "http://127.0.0.1:9/x.json"})), 400, SCHEMA_PARAM,
+         "invalid_grammar"),
+    case("schema-not-an-object", "grammars", comp(**_schema_format([1, 2])), 400,
+         "response_format.json_schema.schema"),
+    case("regex-catastrophic", "grammars", comp(structured_outputs={"regex": "(a+)+$"}), 200),
+    case("regex-alternation-star", "grammars", comp(structured_outputs={"regex": "(a|aa)*b"}), 200),
+    case("regex-huge-repeat", "grammars", comp(structured_outputs={"regex": "a{100000}"}), 200),
+    case("regex-nested-repeats", "grammars",
+         comp(structured_outputs={"regex": "((a{1,100}){1,100}){1,100}"}), 200),
+    case("regex-lookaround", "grammars", comp(structured_outputs={"regex": "(?=a)a"}), 400,
+         REGEX_PARAM, "invalid_grammar"),
+    case("regex-backreference", "grammars", comp(structured_outputs={"regex": r"(a)\1"}), 400,
+         REGEX_PARAM, "invalid_grammar"),
+    case("lark-left-recursive", "grammars",
+         comp(structured_outputs={"grammar": 'start: start "a" | "a"'}), (200, 400)),
+    case("lark-undefined-rule", "grammars", comp(structured_outputs={"grammar": "start: nope"}),
+         400, "structured_outputs.grammar", "invalid_grammar"),
+    case("choice-3000", "grammars",
+         comp(structured_outputs={"choice": [f"option {i}" for i in range(3000)]}), 200),
+    case("tool-parameters-nested-400", "grammars",
+         chat(tools=[{"type": "function", "function": {"name": "f",
+                                                        "parameters": _nested_schema(400)}}],
+              tool_choice="required"), 400, "prompt", "context_length_exceeded", path=CHAT),
+]  # fmt: skip
+
 CASES: list[Case] = [
     *wrong_type_cases(),
     *COERCIONS,
@@ -928,6 +989,7 @@ CASES: list[Case] = [
     *HEADERS,
     *PATHS,
     *SECURED,
+    *GRAMMARS,
 ]
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 assert len(CASES) >= 100

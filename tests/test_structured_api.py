@@ -68,6 +68,7 @@ async def test_json_schema_on_both_endpoints_for_every_strategy(
         for text, reason in outputs:
             assert reason == "stop", text
             jsonschema.validate(json.loads(text), SCHEMA)
+            assert list(json.loads(text)) == ["animal", "count", "tags"]  # the schema's order
 
 
 async def test_json_object_regex_choice_and_grammar(client: httpx.AsyncClient) -> None:

@@ -50,6 +50,10 @@ TIME = {
     },
 }
 TOOLS = [WEATHER, TIME]
+UNSATISFIABLE = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "string", "minLength": 5, "maxLength": 2}},
+}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 JSON_OBJECT = {"type": "json_object"}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -258,10 +262,11 @@ async def test_streamed_tool_calls_arrive_as_openai_deltas(client: httpx.AsyncCl
         ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type"),
         ({"functions": [WEATHER["function"]]}, "functions"),
         ({"continue_final_message": True}, "continue_final_message"),
+        ({"tools": [UNSATISFIABLE], "tool_choice": "required"}, "tools"),
     ],
     ids=[
         "no-tools", "unknown-name", "duplicate", "required-format", "auto-format", "custom-tool",
-        "legacy-functions", "continue-user",
+        "legacy-functions", "continue-user", "unsatisfiable-parameters",
     ],
 )  # fmt: skip
 async def test_tool_request_errors(client: httpx.AsyncClient, extra: dict, param: str) -> None:
