@@ -69,20 +69,25 @@ def _error_text(payload: object) -> str:
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, target: CompletionTarget, req: BenchRequest
+    client: httpx.AsyncClient,
+    target: CompletionTarget,
+    req: BenchRequest,
+    body: dict | None = None,
+    path: str = "/v1/completions",
 ) -> RequestResult:
-    """Send one streaming request and time it. Never raises: failures become `success=False`."""
+    """Send one streaming request (`target.body(req)`, or `body` to `path`) and time it. Never
+    raises: failures become `success=False`."""
     result = RequestResult(
         index=req.index, expected_output_tokens=req.max_tokens if target.ignore_eos else None
     )
-    url = target.base_url.rstrip("/") + "/v1/completions"
+    url = target.base_url.rstrip("/") + path
     chunks_with_text = 0
     usage_tokens: int | None = None
     texts: list[str] = []
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=target.body(req)) as resp:
+        async with client.stream("POST", url, json=body or target.body(req)) as resp:
             if resp.status_code != 200:
                 raw = await resp.aread()
                 try:

@@ -38,6 +38,7 @@ from benchmarks.report import (
     write_json,
 )
 from benchmarks.stats import summarize
+from benchmarks.structured import format_structured, run_structured
 from benchmarks.workload import (
     BenchRequest,
     Workload,
@@ -207,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the beam-search case: one greedy and one num_beams=4 request, sequentially",
     )
     run.add_argument("--beam-max-tokens", type=int)
+    run.add_argument(
+        "--structured",
+        action="store_true",
+        help="only the structured workload: 52 JSON-schema chat requests against the same "
+        "requests unconstrained (same output lengths), at each --concurrency",
+    )
     run.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     run.add_argument(
         "--tag", help="file name stem of the results (default: serve[-short]-TIMESTAMP)"
@@ -435,6 +442,9 @@ async def _measure(
     args: argparse.Namespace, base_url: str, workload: Workload, label: str | None = None
 ) -> tuple[SystemResult | dict, str]:
     model = args.model_name or first_model_id(base_url, args.api_key)
+    if args.structured:
+        levels = [int(c) for c in args.levels]
+        return await run_structured(base_url, model, levels, args.api_key), model
     if args.beam_case:
         res = await run_beam_case(
             base_url, model, args.beam_max_tokens, args.ignore_eos, api_key=args.api_key
@@ -500,6 +510,12 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "server": server_info,
     }
+    if args.structured:
+        json_path, _ = result_paths(args, "structured")
+        write_json({"benchmark": "structured", **common, "structured": measured}, json_path)
+        print(format_structured(measured))
+        print(f"\nwrote {json_path}")
+        return 0 if not any(sum(r["errors"]) for r in measured["runs"]) else 1
     if args.beam_case:
         json_path, _ = result_paths(args, "beam")
         write_json({"benchmark": "beam-case", **common, "beam_case": measured}, json_path)
@@ -510,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = {"system_under_test": time.time() - started}
     t0 = time.time()
     try:
-        variants = measure_variants(args, workload) if not args.beam_case else []
+        variants = measure_variants(args, workload)
     except LaunchError as exc:
         print(
             f"benchmarks.serve: could not start a --compare-beamline server: {exc}", file=sys.stderr

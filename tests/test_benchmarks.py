@@ -26,6 +26,7 @@ from benchmarks.hf_baseline import load_hf_model, own_length, run_static_batches
 from benchmarks.launch import beamline_command
 from benchmarks.report import Run, SystemResult, ratio_rows
 from benchmarks.stats import RequestResult, distribution_ms, percentile, summarize
+from benchmarks.structured import format_structured, histogram_quantile, run_structured
 from benchmarks.workload import (
     BenchRequest,
     load_prompts,
@@ -33,6 +34,8 @@ from benchmarks.workload import (
     synthetic_workload,
     with_shared_prefix,
 )
+from server.api.app import create_app
+from server.api.serving import ServingContext
 from tests.live_server import live_server
 
 TOKEN_DELAY_S = 0.002
@@ -524,3 +527,28 @@ def test_a_compared_beamline_is_matched_level_by_level() -> None:
     before = system("before", "server-variant", [10.0, 40.0])
     rows = ratio_rows(ours, [before])
     assert [(r["x"], r["output_throughput_ratio"]) for r in rows] == [(1, 2.0), (16, 3.0)]
+
+
+def test_histogram_quantile_reads_the_bucket_bound() -> None:
+    text = (
+        'beamline:grammar_compile_seconds_bucket{le="0.001",model_name="m"} 2.0\n'
+        'beamline:grammar_compile_seconds_bucket{le="0.01",model_name="m"} 9.0\n'
+        'beamline:grammar_compile_seconds_bucket{le="+Inf",model_name="m"} 10.0\n'
+    )
+    name = "beamline:grammar_compile_seconds"
+    assert histogram_quantile(text, name, 0.5) == 0.01
+    assert histogram_quantile(text, name, 0.2) == 0.001
+    assert histogram_quantile(text, name, 0.99) == float("inf")
+    assert histogram_quantile("", name, 0.5) is None
+
+
+def test_structured_workload_against_a_live_beamline(tiny_ctx: ServingContext) -> None:
+    with live_server(create_app(ctx=tiny_ctx)) as url:
+        report = asyncio.run(run_structured(url, "tiny", [8]))
+    [run] = report["runs"]
+    assert run["errors"] == [0, 0]
+    assert run["output_tokens"][0] == run["output_tokens"][1]  # same lengths, unconstrained
+    assert run["valid"] >= 45  # a random tiny model: a few hit max_tokens inside a string
+    assert run["mask_steps"] > 0 and run["mask_ms_per_step"] > 0
+    assert 0 < report["compile_s_p50_bucket"] <= report["compile_s_p99_bucket"]
+    assert "structured workload: 52 JSON schemas" in format_structured(report)

@@ -76,7 +76,7 @@ def allowed_ids(constraint: TokenConstraint, params: DecodingParams, vocab: int)
         [constraint], [params.finishing_ids(EOS_IDS)], EOS_IDS, vocab, "cpu"
     )
     assert mask is not None
-    return mask.allowed[0].nonzero().flatten().tolist()
+    return (~mask.banned[0]).nonzero().flatten().tolist()
 
 
 def prefix_fn(

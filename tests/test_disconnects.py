@@ -8,6 +8,7 @@ exact and seeded.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -26,6 +27,7 @@ import httpx
 import pytest
 
 from decoding import DecodingParams
+from decoding.grammar import GrammarConstraint
 from server.api.app import create_app
 from server.api.serving import ServingContext
 from tests.conftest import make_engine, serving_context
@@ -373,3 +375,31 @@ def test_a_consumer_whose_event_loop_is_gone_does_not_kill_the_engine(
         assert asyncio.run(served())
     finally:
         ctx.engine.shutdown()
+
+
+async def test_constrained_streams_cut_mid_way_free_blocks_and_matchers(server: Server) -> None:
+    """Streams under a schema, a regex and a forced tool call, of every streaming shape, each cut
+    after a few events: every KV block and every row's grammar matcher is gone afterwards."""
+    schema = {
+        "type": "object",
+        "properties": {"words": {"type": "array", "items": {"type": "string"}}},
+        "required": ["words"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": LONG}
+    bodies = [
+        ("/v1/completions", {"prompt": "Hi", "stream": True, "max_tokens": LONG,
+                             "structured_outputs": {"regex": "[a-z ]{1,400}"}, "n": 2, "seed": 1}),
+        ("/v1/chat/completions", {**chat, "response_format": fmt, "seed": 2}),
+        ("/v1/chat/completions", {**chat, "response_format": fmt, "num_beams": 3}),
+        ("/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "required",
+                                  "max_tokens": 100}),
+    ]  # fmt: skip
+    cuts = [Cut("after_events", events=2, reset=reset) for reset in (False, True)]
+    await asyncio.gather(*(cut_stream(server, p, b, c) for p, b in bodies for c in cuts))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        stats = await wait_until_idle(client, timeout=5.0)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, GrammarConstraint)]

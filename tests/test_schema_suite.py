@@ -1,4 +1,4 @@
-"""The structured-output suite on the default model (tests/schema_suite.py): every output of
+"""The structured-output suite on the default model (benchmarks/schema_suite.py): every output of
 every strategy validates against its schema and none is cut by the length limit."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from benchmarks.schema_suite import SCHEMAS
 from decoding import DecodingParams
 from decoding.grammar import GrammarCompiler, GrammarSpec
 from server.engine.engine import Engine
 from server.model.loader import resolve_model_dir
 from tests.conftest import make_engine
 from tests.engine_driver import Collected, run_to_completion
-from tests.schema_suite import SCHEMAS
 from tests.test_constrained_decoding import submit
 
 pytestmark = pytest.mark.default_model

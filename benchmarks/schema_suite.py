@@ -1,4 +1,5 @@
-"""52 JSON schemas for structured-output tests on the default model: nesting, bounded arrays,
+"""52 JSON schemas for structured outputs on the default model (tests/test_schema_suite.py, the
+structured workload of benchmarks.serve, benchmarks/grammar_backends.py): nesting, bounded arrays,
 enums, ranged numbers, patterns, anyOf, const, nullable fields, additionalProperties false.
 
 Strings and numbers are bounded (maxLength, ranges, patterns) so a 270M model can finish them;
