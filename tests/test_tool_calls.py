@@ -343,6 +343,28 @@ def test_openai_client_parse_and_tool_calls(oa: openai.OpenAI) -> None:
         tools=TOOLS,
         tool_choice="none",
         max_tokens=5,  # type: ignore[arg-type]
+        temperature=0,
     )
     assert plain.choices[0].message.tool_calls is None
     assert isinstance(plain.choices[0].message.content, str)
+    stream = oa.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+    )
+    chunks = [d for ch in stream for d in ch.choices]
+    assert not any(d.delta.tool_calls for d in chunks)
+    assert "".join(d.delta.content or "" for d in chunks) == plain.choices[0].message.content
+    # a tool round trip: the call and its result go back in; the reply is read as usual
+    after = oa.chat.completions.create(
+        model="tiny",
+        messages=ROUND_TRIP,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=5,
+        temperature=0,
+    )
+    assert after.choices[0].finish_reason in ("stop", "length")
