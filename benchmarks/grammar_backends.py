@@ -27,6 +27,7 @@ import torch
 from transformers import AutoTokenizer
 
 from benchmarks.schema_suite import SCHEMAS
+from decoding.constraints import unpack_bitmask
 from decoding.grammar import JSON_DEFAULTS, GrammarCompiler, GrammarSpec
 from server.model.loader import resolve_model_dir
 
@@ -57,8 +58,6 @@ def walk(compiler: GrammarCompiler, schema: dict[str, Any], rng: random.Random) 
 
 
 def llguidance_allowed(bitmask: torch.Tensor, vocab: int) -> list[int]:
-    from decoding.constraints import unpack_bitmask
-
     return unpack_bitmask(bitmask, vocab)[0].nonzero().flatten().tolist()
 
 

@@ -91,13 +91,6 @@ class GrammarConstraint:
     def accepting(self) -> bool:
         return bool(self.matcher.is_accepting())
 
-    @property
-    def error(self) -> str | None:
-        """Why the matcher gave up (a limit hit mid-generation), or None."""
-        if not self.matcher.is_error():
-            return None
-        return self.matcher.get_error() or "grammar matcher failed"
-
     def fill_allowed(self, bitmask: torch.Tensor, index: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, index)
 

@@ -102,6 +102,3 @@ class GrammarService:
             if self._compiler is None:
                 self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
             return self._compiler
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
