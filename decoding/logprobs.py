@@ -24,6 +24,18 @@ class TokenLogprobs:
     chosen: torch.Tensor  # [N] float: logprob of each (row, token) pair
     top_ids: torch.Tensor  # [N, K] long, best first
     top_logprobs: torch.Tensor  # [N, K] float
+    ranks: torch.Tensor | None = None  # [N] long: 1 + how many tokens are likelier, when asked
+
+    @staticmethod
+    def cat(parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
+        """The pairs of several results, in order (all computed with or all without ranks)."""
+        ranks = [p.ranks for p in parts]
+        return TokenLogprobs(
+            chosen=torch.cat([p.chosen for p in parts]),
+            top_ids=torch.cat([p.top_ids for p in parts]),
+            top_logprobs=torch.cat([p.top_logprobs for p in parts]),
+            ranks=None if any(r is None for r in ranks) else torch.cat(ranks),  # type: ignore[arg-type]
+        )
 
     def row(self, i: int, k: int | None = None) -> tuple[float, list[tuple[int, float]]]:
         """Python values of pair i: (chosen logprob, its first k (token, logprob) alternatives)."""
@@ -39,11 +51,13 @@ def token_logprobs(
     *,
     rows: torch.Tensor | Sequence[int] | None = None,
     num_top: int = 0,
+    with_ranks: bool = False,
 ) -> TokenLogprobs:
     """Logprobs of `token_ids[i]` under row `rows[i]` of `logits` [R, V] (rows default to 0..N-1).
 
     `rows` lets beam search ask for several children of one parent row. `num_top` is the largest K
-    any pair needs; slice per request with `TokenLogprobs.row(i, k)`.
+    any pair needs; slice per request with `TokenLogprobs.row(i, k)`. `with_ranks` adds each
+    token's rank in its distribution (1 = the likeliest; ties share the better rank).
     """
     device = logits.device
     tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device)
@@ -60,4 +74,5 @@ def token_logprobs(
     else:
         top_ids = torch.empty((len(tokens), 0), dtype=torch.long, device=device)
         top_lps = torch.empty((len(tokens), 0), dtype=torch.float32, device=device)
-    return TokenLogprobs(chosen=chosen, top_ids=top_ids, top_logprobs=top_lps)
+    ranks = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1 if with_ranks else None
+    return TokenLogprobs(chosen=chosen, top_ids=top_ids, top_logprobs=top_lps, ranks=ranks)

@@ -69,6 +69,7 @@ class DecodingParams:
     early_stopping: EarlyStopping = False
     do_sample: bool | None = None
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token (scored in prefill)
 
     def __post_init__(self) -> None:
         # Normalise container types so equal requests compare equal (lists from JSON, str keys).
@@ -81,7 +82,7 @@ class DecodingParams:
 
     # ---- validation -----------------------------------------------------------------------------
     def _check_values(self) -> None:
-        _int(self.max_tokens, "max_tokens", low=1)
+        _int(self.max_tokens, "max_tokens", low=0)  # 0: only score the prompt
         _check(
             _finite(self.temperature) and self.temperature >= 0.0,
             "temperature",
@@ -134,6 +135,8 @@ class DecodingParams:
         )
         if self.logprobs is not None:
             _int(self.logprobs, "logprobs", low=0)
+        if self.prompt_logprobs is not None:
+            _int(self.prompt_logprobs, "prompt_logprobs", low=0)
         if self.seed is not None:
             _check(
                 isinstance(self.seed, int) and not isinstance(self.seed, bool),
@@ -174,6 +177,12 @@ class DecodingParams:
             raise DecodingParamsError("temperature", "do_sample=true needs temperature > 0")
         if self.min_tokens > self.max_tokens:
             raise DecodingParamsError("min_tokens", "min_tokens must not exceed max_tokens")
+        if self.max_tokens == 0 and self.width > 1:
+            raise DecodingParamsError(
+                "max_tokens",
+                "max_tokens 0 (score the prompt, generate nothing) needs a single row: "
+                "n = 1, no best_of, no beams",
+            )
         if self.num_beam_groups > 1:
             if self.num_beams == 1:
                 raise DecodingParamsError(

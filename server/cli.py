@@ -22,6 +22,7 @@ CONFIG_ONLY_KEYS = frozenset(
         "max_best_of",
         "max_num_beams",
         "max_logprobs",
+        "max_scored_prompt_tokens",
         "max_stop_sequences",
         "max_prompts_per_request",
         "max_grammar_bytes",

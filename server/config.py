@@ -105,6 +105,12 @@ class ServerConfig(BaseModel):
     max_best_of: int = Field(16, ge=1, description="largest best_of a request may ask for")
     max_num_beams: int = Field(16, ge=1, description="largest num_beams a request may ask for")
     max_logprobs: int = Field(20, ge=0, description="most top logprobs a request may ask for")
+    max_scored_prompt_tokens: int = Field(
+        8192,
+        ge=0,
+        description="longest prompt that prompt logprobs (echo + logprobs, prompt_logprobs) may "
+        "score: the LM head runs on every prompt position",
+    )
     max_stop_sequences: int = Field(16, ge=0, description="most stop strings per request")
     max_prompts_per_request: int = Field(16, ge=1, description="most prompts per completion")
     max_grammar_bytes: int = Field(

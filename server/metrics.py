@@ -31,6 +31,12 @@ MASK_BUCKETS = (
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))  # 1 .. 32768 tokens
 
 PREFIX = "beamline:"
+# The Gateway API Inference Extension's model-server protocol: its Endpoint Picker reads these
+# gauges, by default under vLLM's names. They are served under those names too (only these: the
+# rest of the metrics are not doubled), next to beamline's own.
+PROTOCOL_PREFIX = "vllm:"
+PROTOCOL_GAUGES = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc")
+CACHE_CONFIG_INFO = PROTOCOL_PREFIX + "cache_config_info"
 
 
 def _check(value: str, allowed: Sequence[str], what: str) -> None:
@@ -49,8 +55,8 @@ class Metrics:
         def counter(name: str, doc: str, *labels: str) -> Counter:
             return Counter(PREFIX + name, doc, ("model_name", *labels), registry=self.registry)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ("model_name",), registry=self.registry).labels(*m)
+        def gauge(name: str, doc: str, prefix: str = PREFIX) -> Gauge:
+            return Gauge(prefix + name, doc, ("model_name",), registry=self.registry).labels(*m)
 
         def histogram(name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
             return Histogram(
@@ -60,6 +66,20 @@ class Metrics:
         self._running = gauge("num_requests_running", "Requests in the running batch.")
         self._waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self._kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self._protocol = {  # the same values under the protocol's names (PROTOCOL_GAUGES)
+            name: gauge(name, f"{doc} (Gateway API Inference Extension protocol)", PROTOCOL_PREFIX)
+            for name, doc in (
+                ("num_requests_waiting", "Requests waiting to be scheduled"),
+                ("num_requests_running", "Requests in the running batch"),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)"),
+            )
+        }
+        self._cache_config = Gauge(
+            CACHE_CONFIG_INFO,
+            "KV cache configuration (value 1): block size in tokens and blocks in the pool.",
+            ("model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"),
+            registry=self.registry,
+        )
         self._batch_size = gauge("batch_size", "Sequences in the last engine step.")
         self._preemptions = counter("num_preemptions", "Sequences preempted.").labels(*m)
         self._iteration_tokens = histogram(
@@ -116,9 +136,23 @@ class Metrics:
     def set_scheduler_state(self, *, running: int, waiting: int, kv_cache_usage: float) -> None:
         if not 0.0 <= kv_cache_usage <= 1.0:
             raise ValueError(f"kv_cache_usage must be a fraction in [0, 1], got {kv_cache_usage}")
+        for name, value in (
+            ("num_requests_running", running),
+            ("num_requests_waiting", waiting),
+            ("kv_cache_usage_perc", kv_cache_usage),
+        ):
+            self._protocol[name].set(value)
         self._running.set(running)
         self._waiting.set(waiting)
         self._kv_usage.set(kv_cache_usage)
+
+    def set_cache_config(self, *, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        """The KV pool's shape, as `vllm:cache_config_info` labels (`num_gpu_blocks` is the pool
+        size on any device)."""
+        self._cache_config.clear()
+        self._cache_config.labels(
+            self.model_name, str(block_size), str(num_blocks), str(prefix_caching)
+        ).set(1)
 
     def observe_step(self, *, num_tokens: int, batch_size: int) -> None:
         self._iteration_tokens.observe(num_tokens)

@@ -6,8 +6,12 @@ is anything with the three attributes of `Row` (the engine's `Sequence` is one).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
+
+import torch
+
+from decoding.logprobs import TokenLogprobs
 
 
 class Row(Protocol):
@@ -22,13 +26,34 @@ RowT = TypeVar("RowT", bound=Row)
 
 
 @dataclass(frozen=True)
+class ScoreSpan:
+    """Positions [start, stop) of a row whose following token is scored (prompt logprobs): its
+    log-probability, its rank and the `num_top` likeliest alternatives at each position."""
+
+    start: int
+    stop: int
+    num_top: int
+
+
+@dataclass(frozen=True)
 class WorkItem(Generic[RowT]):
-    """One row's share of a step: `num_new` tokens starting at its `num_computed`."""
+    """One row's share of a step: `num_new` tokens starting at its `num_computed`; `score` asks
+    for the logprobs of the tokens that follow some of them (inside this chunk)."""
 
     seq: RowT
     num_new: int
+    score: ScoreSpan | None = None
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the row, so its last token predicts the next."""
         return self.seq.num_computed + self.num_new == len(self.seq.token_ids)
+
+
+@dataclass
+class StepOutput:
+    """What a step returns: logits [R, V] of the items that sample (in order), and the scored
+    positions of the items that asked (`WorkItem.score`), by item index."""
+
+    logits: torch.Tensor
+    scores: dict[int, TokenLogprobs] = field(default_factory=dict)

@@ -69,7 +69,7 @@ def hf_reference(model_dir: Path) -> tuple[torch.nn.Module, object]:
 
 def serving_context(engine: Engine, name: str = "tiny", **config: object) -> ServingContext:
     metrics = Metrics(name)
-    engine.recorder.metrics = metrics
+    engine.use_metrics(metrics)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     return ServingContext(

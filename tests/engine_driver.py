@@ -12,10 +12,12 @@ from server.engine.request import EngineRequest, RequestOutput, Sequence
 
 @dataclass(eq=False)
 class StubRequest:
-    """What the scheduler needs of a request: its rows and its width (no decoding state)."""
+    """What the scheduler needs of a request: its rows, its width, and where its prompt still
+    needs computing for prompt logprobs (no decoding state)."""
 
     rows: list[Sequence] = field(default_factory=list)
     width: int = 1
+    unscored_from: int | None = None
 
 
 def stub_rows(token_ids: list[int], rows: int = 1) -> StubRequest:

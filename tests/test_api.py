@@ -177,7 +177,7 @@ def assert_openai_error(
         ({"prompt": "x", "temperature": -1}, 400, "temperature", "invalid_value"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
         ({"prompt": "x", "top_k": -1}, 400, "top_k", "invalid_value"),
-        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+        ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
         ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "invalid_value"),
         ({"prompt": ""}, 400, "prompt", "empty_prompt"),
         ({"prompt": []}, 400, "prompt", "empty_prompt"),

@@ -9,7 +9,9 @@ import pytest
 from decoding import DecodingParams, DecodingParamsError, check_vocab, request_width
 
 INVALID = [
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=0, n=2), "max_tokens"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature=math.nan), "temperature"),
     (dict(top_k=-2), "top_k"),

@@ -129,3 +129,23 @@ async def test_chat_uses_the_gemma_turn_template(
     eos = model.generation_config.eos_token_id
     stopped = reply_ids[-1] in (eos if isinstance(eos, list) else [eos])
     assert choice["finish_reason"] == ("stop" if stopped else "length")
+
+
+async def test_a_prompt_that_starts_with_bos_gets_no_second_one(ctx: ServingContext) -> None:
+    """Clients that build prompts themselves (lm-evaluation-harness) send Gemma's <bos>."""
+    tok = ctx.tokenizer
+    app = create_app(ctx=ctx)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=300
+    ) as client:
+        counts = {}
+        for prompt in ("Hi", "<bos>Hi"):
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            counts[prompt] = r.json()["usage"]["prompt_tokens"]
+            tokenized = await client.post("/tokenize", json={"prompt": prompt})
+            assert tokenized.json()["tokens"] == [tok.bos_token_id, *tok.encode("Hi")[1:]]
+        info = (await client.get("/tokenizer_info")).json()
+    assert counts == {"Hi": 2, "<bos>Hi": 2}
+    assert tok("<bos>Hi").input_ids[:2] == [tok.bos_token_id] * 2  # the tokenizer alone doubles it
+    assert info["add_bos_token"] is True and info["bos_token"] == "<bos>"

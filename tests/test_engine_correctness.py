@@ -44,7 +44,7 @@ def test_logits_of_a_mixed_prefill_and_decode_batch_match_transformers(
         if step in (2, 4):
             engine.scheduler.add(requests[step // 2])
         plan = engine.scheduler.schedule()
-        logits = engine.runner.execute(plan.items, plan.copies)
+        logits = engine.runner.execute(plan.items, plan.copies).logits
         sampled = engine.scheduler.update_from_output(plan)
         for row, item in enumerate(sampled):
             torch.testing.assert_close(

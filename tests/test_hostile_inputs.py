@@ -190,7 +190,15 @@ RANGES = [
     case("top_p-negative", "ranges", comp(top_p=-0.1), 400, "top_p", "invalid_value"),
     case("top_p-nan", "ranges", comp(top_p=NAN), 400, "top_p"),
     case("top_k-negative", "ranges", comp(top_k=-2), 400, "top_k", "invalid_value"),
-    case("max_tokens-zero", "ranges", comp(max_tokens=0), 400, "max_tokens", "invalid_value"),
+    case(
+        "chat-max_tokens-zero",
+        "ranges",
+        chat(max_tokens=0),
+        400,
+        "max_tokens",
+        "invalid_value",
+        path=CHAT,
+    ),
     case("max_tokens-negative", "ranges", comp(max_tokens=-5), 400, "max_tokens", "invalid_value"),
     case(
         "max_tokens-inf-literal",
@@ -315,7 +323,15 @@ COMBINATIONS = [
         400,
         "min_tokens",
     ),
-    case("echo-with-logprobs", "combinations", comp(echo=True, logprobs=1), 400, "echo"),
+    case("max_tokens-zero-with-n", "combinations", comp(max_tokens=0, n=2), 400, "max_tokens"),
+    case(
+        "prompt_logprobs-above-cap",
+        "ranges",
+        comp(prompt_logprobs=21),
+        400,
+        "prompt_logprobs",
+        "above_limit",
+    ),
     case(
         "chat-top_logprobs-without-logprobs",
         "combinations",
@@ -661,7 +677,7 @@ RAW_BODIES = [
     case(
         "raw-duplicate-key-last-invalid",
         "raw_bodies",
-        b'{"prompt": "x", "max_tokens": 2, "max_tokens": 0}',
+        b'{"prompt": "x", "max_tokens": 2, "max_tokens": -1}',
         400,
         "max_tokens",
     ),

@@ -40,7 +40,7 @@ NOT_PARAMS = {
 }
 # Fields of each endpoint's own, beyond SamplingFields.
 ENDPOINT_FIELDS = {
-    CompletionRequest: {"prompt", "echo", "logprobs", "suffix"},
+    CompletionRequest: {"prompt", "echo", "logprobs", "suffix"},  # max_tokens: also 0 here
     ChatCompletionRequest: {
         "messages",
         "max_completion_tokens",

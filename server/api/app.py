@@ -17,12 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.api import responses, serving
+from server.api import responses, serving, streaming, tokenization
 from server.api.errors import APIError, install_error_handlers
 from server.api.guards import APIKeyGuard, BodySizeGuard
 from server.api.middleware import RequestIdMiddleware
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.api.serving import Job, ServingContext
+from server.api.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest
 from server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,23 @@ def create_app(
             }
         )
 
+    # vLLM's tokenizer routes: clients that count tokens themselves use the server's tokenizer.
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest) -> JSONResponse:
+        c = state.require()
+        serving.check_model(c, body.model)
+        return JSONResponse(tokenization.tokenize(c, body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        c = state.require()
+        serving.check_model(c, body.model)
+        return JSONResponse(tokenization.detokenize(c, body))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenization.tokenizer_info(state.require()))
+
     async def run(
         request: Request,
         c: ServingContext,
@@ -216,12 +234,12 @@ def create_app(
         request_id = serving.new_request_id("completion")
         stream = (
             (
-                lambda: responses.stream_events(
+                lambda: streaming.stream_events(
                     c,
                     request_id,
                     jobs,
                     body.include_usage,
-                    responses.completion_chunk_maker(c, request_id),
+                    streaming.completion_chunk_maker(c, request_id),
                 )
             )
             if body.stream
@@ -237,9 +255,9 @@ def create_app(
         job = serving.chat_job(c, body)
         await serving.compile_constraints(c, [job])
         request_id = serving.new_request_id("chat")
-        make, first = responses.chat_chunk_maker(c, request_id, body.n, job.tool_plan)
+        make, first = streaming.chat_chunk_maker(c, request_id, body.n, job.tool_plan)
         stream = (
-            (lambda: responses.stream_events(c, request_id, [job], body.include_usage, make, first))
+            (lambda: streaming.stream_events(c, request_id, [job], body.include_usage, make, first))
             if body.stream
             else None
         )

@@ -111,6 +111,7 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: every prompt token's logprob + top k
     # Structured outputs (server/api/structured.py): at most one of the two.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -155,6 +156,7 @@ class SamplingFields(OpenAIModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt (echo + logprobs), no output
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None  # refused unless empty: no insertion (fill-in-the-middle) here
@@ -295,8 +297,16 @@ class ChatDelta(BaseModel):
     tool_calls: list[ToolCallDelta] | None = None
 
 
+# vLLM's prompt_logprobs, sent only when asked for: per prompt token None (the first) or
+# {token id: {"logprob", "rank", "decoded_token"}} holding the prompt token and the top k.
+PromptLogprobsField = Annotated[
+    list[dict[str, dict[str, Any]] | None] | None, Field(exclude_if=lambda v: v is None)
+]
+
+
 class CompletionChoice(Choice):
     text: str
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class ChatChoice(Choice):
@@ -316,6 +326,7 @@ class ChatCompletionResponse(ResponseBody):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage  # always sent
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class ChatCompletionChunk(ResponseBody):
@@ -334,14 +345,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody

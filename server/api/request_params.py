@@ -23,6 +23,7 @@ CONVERTED_FIELDS: dict[str, str] = {
     "logit_bias": "string keys -> token ids, null -> {}",
     "bad_words_ids": "bad_words_ids, then every bad_words string tokenized",
     "logprobs": "completions: logprobs; chat: top_logprobs (0 when absent) if logprobs is true",
+    "prompt_logprobs": "prompt_logprobs; completions with echo and logprobs: at least logprobs",
 }
 PASSED_AS_IS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodingParams) if f.name not in CONVERTED_FIELDS
@@ -37,6 +38,7 @@ def decoding_params(
     logprobs: int | None,
     logprobs_param: str = "logprobs",
     max_tokens_param: str = "max_tokens",
+    prompt_logprobs: int | None = None,
 ) -> DecodingParams:
     """Build DecodingParams; limits that depend on the server (context, caps) are checked here.
 
@@ -44,12 +46,13 @@ def decoding_params(
     """
     stops = req.stop_list()
     _check_server_limits(ctx, req, len(stops), logprobs, logprobs_param)
+    _check_scoring(ctx, prompt_len, prompt_logprobs)
     room = ctx.max_model_len - prompt_len
     if max_tokens is None:  # the rest of the context, within what the KV pool holds for every row
         width = request_width(req.n, req.best_of, req.num_beams)
         max_tokens = min(room, ctx.engine.kv_capacity.tokens_per_row(width) - prompt_len)
         room = max(min(room, max_tokens), 0)
-    if room < 1 or max_tokens > room:
+    if max_tokens > room or (room < 1 and max_tokens > 0) or room < 0:
         raise bad_request(
             f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
             f"{prompt_len} tokens and max_tokens asks for {max_tokens} more",
@@ -64,6 +67,7 @@ def decoding_params(
         bad_words_ids=_bad_words(ctx, req),
         logit_bias=parse_logit_bias(req.logit_bias),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     check_vocab(params, ctx.vocab_size)
     _check_fits_kv_pool(ctx, params, prompt_len, max_tokens_param)
@@ -88,11 +92,25 @@ def _check_server_limits(
         ("best_of", req.best_of or 1, cfg.max_best_of),
         ("num_beams", req.num_beams, cfg.max_num_beams),
         (logprobs_param, logprobs or 0, cfg.max_logprobs),
+        ("prompt_logprobs", req.prompt_logprobs or 0, cfg.max_logprobs),
     ):
         if value > cap:
             raise bad_request(
                 f"{name} must be <= {cap} on this server (got {value})", name, "above_limit"
             )
+
+
+def _check_scoring(ctx: ServingContext, prompt_len: int, prompt_logprobs: int | None) -> None:
+    """Scoring a prompt runs the LM head on every prompt position: only up to a configured
+    length."""
+    cap = ctx.config.max_scored_prompt_tokens
+    if prompt_logprobs is not None and prompt_len > cap:
+        raise bad_request(
+            f"prompt logprobs are computed for prompts of at most {cap} tokens on this server; "
+            f"the prompt has {prompt_len}",
+            "prompt",
+            "above_limit",
+        )
 
 
 def _check_fits_kv_pool(

@@ -5,7 +5,6 @@ Responses and streams are built in server/api/responses.py.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from decoding import DecodingParams
@@ -16,6 +15,7 @@ from server.api.errors import APIError, bad_request
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, new_id
 from server.api.request_params import decoding_params
 from server.api.structured import Constraint, compile_constraint, request_constraint
+from server.api.tokenization import chat_prompt_ids, check_ids, encode_text
 
 
 # ---- request -> engine inputs ------------------------------------------------------------------
@@ -32,59 +32,17 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
 def tokenize_prompt(ctx: ServingContext, prompt: str | list[int], param: str) -> list[int]:
     if isinstance(prompt, str):
         try:
-            ids = ctx.tokenizer(prompt, add_special_tokens=True).input_ids
+            ids = encode_text(ctx.tokenizer, prompt)
         except Exception as exc:  # e.g. lone surrogates that cannot be encoded
             raise bad_request(
                 f"prompt cannot be tokenized: {exc}", param, "invalid_prompt"
             ) from exc
     else:
         ids = list(prompt)
-        bad = [t for t in ids if t >= ctx.vocab_size]
-        if bad:
-            raise bad_request(
-                f"token id {bad[0]} is out of the vocabulary (size {ctx.vocab_size})",
-                param,
-                "invalid_token",
-            )
+        check_ids(ctx, ids, param)
     if not ids or (isinstance(prompt, str) and not prompt):
         raise bad_request("prompt must not be empty", param, "empty_prompt")
     return ids
-
-
-def chat_prompt_ids(
-    ctx: ServingContext, req: ChatCompletionRequest, plan: tools.ToolPlan
-) -> list[int]:
-    if ctx.tokenizer.chat_template is None:
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    if req.continue_final_message:
-        if req.messages[-1].role != "assistant":
-            raise bad_request(
-                "continue_final_message needs the last message to be the assistant's",
-                "continue_final_message",
-                "invalid_value",
-            )
-        if "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt:
-            raise bad_request(
-                "continue_final_message and add_generation_prompt cannot both be true",
-                "continue_final_message",
-                "conflicting_fields",
-            )
-    try:
-        ids = ctx.tokenizer.apply_chat_template(
-            tools.template_messages(req, plan),
-            tools=tools.template_tools(plan),
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message,
-            tokenize=True,
-            return_dict=False,
-        )
-    except Exception as exc:  # template errors (e.g. role order) are the client's to fix
-        raise bad_request(
-            f"messages cannot be formatted by the chat template: {exc}", "messages"
-        ) from exc
-    if isinstance(ids, Mapping):  # a BatchEncoding, from versions that ignore return_dict
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 @dataclass
@@ -98,6 +56,8 @@ class Job:
     constraint: Constraint | None = None  # structured outputs / forced tool calls
     grammar: Grammar | None = None  # its compiled form (`compile_constraints`)
     tool_plan: tools.ToolPlan | None = None  # chat with tools: how calls are read from replies
+    echo_logprobs: int | None = None  # completions with echo + logprobs k: the prompt's, top k
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k, sent as its own field
 
 
 def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
@@ -105,12 +65,6 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
     if req.suffix:
         raise bad_request(
             "suffix is not supported (no fill-in-the-middle)", "suffix", "unsupported"
-        )
-    if req.echo and req.logprobs is not None:
-        raise bad_request(
-            "echo together with logprobs is not supported (no prompt logprobs)",
-            "echo",
-            "unsupported",
         )
     prompts = req.prompts()
     if not prompts:
@@ -125,10 +79,27 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
     jobs = []
     for i, prompt in enumerate(prompts):
         ids = tokenize_prompt(ctx, prompt, "prompt")
-        params = decoding_params(ctx, req, len(ids), req.max_tokens or 16, req.logprobs)
+        params = decoding_params(
+            ctx,
+            req,
+            len(ids),
+            16 if req.max_tokens is None else req.max_tokens,
+            req.logprobs,
+            prompt_logprobs=_prompt_logprobs(req.prompt_logprobs, req.logprobs, req.echo),
+        )
         echo = _echo_text(ctx, prompt, ids) if req.echo else ""
-        jobs.append(Job(ids, params, i * req.n, echo, constraint))
+        job = Job(ids, params, i * req.n, echo, constraint)
+        job.echo_logprobs = req.logprobs if req.echo else None
+        job.prompt_logprobs = req.prompt_logprobs
+        jobs.append(job)
     return jobs
+
+
+def _prompt_logprobs(asked: int | None, logprobs: int | None, echo: bool) -> int | None:
+    """Top alternatives each prompt token needs: `prompt_logprobs`, and with echo the legacy
+    `logprobs` too (an echoed prompt carries its tokens' logprobs)."""
+    needs = [k for k in (asked, logprobs if echo else None) if k is not None]
+    return max(needs) if needs else None
 
 
 def _echo_text(ctx: ServingContext, prompt: str | list[int], ids: list[int]) -> str:
@@ -157,8 +128,16 @@ def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
         logprobs,
         "top_logprobs",
         "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+        prompt_logprobs=req.prompt_logprobs,
     )
-    return Job(ids, params, 0, constraint=constraint, tool_plan=plan if plan.tools else None)
+    return Job(
+        ids,
+        params,
+        0,
+        constraint=constraint,
+        tool_plan=plan if plan.tools else None,
+        prompt_logprobs=req.prompt_logprobs,
+    )
 
 
 async def compile_constraints(ctx: ServingContext, jobs: list[Job]) -> None:

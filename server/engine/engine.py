@@ -26,6 +26,7 @@ from server.engine import beams
 from server.engine.block_pool import BlockPool
 from server.engine.output_processor import OutputProcessor
 from server.engine.prefix_cache import PrefixCache
+from server.engine.prompt_scoring import PromptScoring
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
 from server.engine.sampling_step import choose
 from server.engine.scheduler import Scheduler
@@ -60,10 +61,22 @@ class Engine:
         self.max_model_len = min(max_model_len or runner.max_position_embeddings, capacity)
         self.eos_token_ids = runner.eos_token_ids(tokenizer)
         self.output = OutputProcessor(tokenizer, self.max_model_len)
-        self.recorder = StatsRecorder(self.pool, metrics)
+        self.recorder = StatsRecorder(self.pool, None)
+        if metrics is not None:
+            self.use_metrics(metrics)
         self._inbox: queue.SimpleQueue[EngineRequest | str] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._requests: dict[str, EngineRequest] = {}
+        self.prompt_scoring = PromptScoring()
+
+    def use_metrics(self, metrics: Metrics) -> None:
+        """Record into `metrics` from now on (and publish the KV pool's shape there)."""
+        self.recorder.metrics = metrics
+        metrics.set_cache_config(
+            block_size=self.pool.block_size,
+            num_blocks=self.pool.num_blocks,
+            prefix_caching=self.prefix_cache is not None,
+        )
 
     @property
     def stats(self) -> EngineStats:
@@ -116,6 +129,7 @@ class Engine:
         if params.is_beam:
             room = self.max_model_len - len(req.prompt_ids)
             req.search = make_beam_search(params, self.eos_token_ids, max_new_tokens=room)
+        self.prompt_scoring.admit(req)
         first = Sequence(req, list(req.prompt_ids), len(req.prompt_ids))
         first.constraint, req.constraint = req.constraint, None  # the row owns it from now on
         req.rows.append(first)
@@ -133,10 +147,12 @@ class Engine:
             return False
         self.recorder.step(plan.items)  # before any output of this step reaches a client
         try:
-            logits = self.runner.execute(plan.items, plan.copies)
+            plan.items = self.prompt_scoring.plan(plan.items)
+            output = self.runner.execute(plan.items, plan.copies)
+            self.prompt_scoring.record(plan.items, output.scores)
             sampling = self.scheduler.update_from_output(plan)
             if sampling:
-                self._decode(sampling, logits)
+                self._decode(sampling, output.logits)
         except Exception as exc:  # a failing step fails its own requests, never the loop
             log.exception("engine step failed")
             message = f"internal error: {type(exc).__name__}: {exc}"
@@ -144,9 +160,16 @@ class Engine:
                 self._end_request(req, "error", message)
         return True
 
+    # ---- choosing tokens ------------------------------------------------------------------------
     def _decode(self, sampling: list[WorkItem[Sequence]], logits: torch.Tensor) -> None:
         """Choose next tokens for every sampled row, then apply them request by request (a
         request's rows are adjacent: the scheduler plans by request)."""
+        if self.prompt_scoring.prompt_only:  # max_tokens 0: the prompt is computed, that was all
+            sampling, logits, done = self.prompt_scoring.split_prompt_only(sampling, logits)
+            for seq in done:
+                self._finish_row(seq, "length", appended=False)
+            if not sampling:
+                return
         rows, index = self.scheduler.fork_first_samples([item.seq for item in sampling])
         if index is not None:  # rows were forked: each child samples from its parent's logits
             logits = logits.index_select(0, torch.tensor(index, device=logits.device))
@@ -230,6 +253,7 @@ class Engine:
         """The request is over: free every block it still holds and record it (before the client
         sees its last output, so metrics are never behind the responses)."""
         req.finished = True
+        self.prompt_scoring.discard(req)
         self.scheduler.remove(req)
         self._requests.pop(req.request_id, None)
         self.recorder.request_end(req, reason)

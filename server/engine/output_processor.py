@@ -133,6 +133,9 @@ def _emit(
     error: str | None = None,
     request_done: bool = False,
 ) -> None:
+    prompt_logprobs = None
+    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and error is None:
+        prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True  # first output only
     req.emit(
         RequestOutput(
             request_id=req.request_id,
@@ -144,6 +147,7 @@ def _emit(
             cached_tokens=req.cached_tokens,
             completion_tokens=completion_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             error=error,
             request_done=request_done,
         )

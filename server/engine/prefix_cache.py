@@ -41,13 +41,14 @@ class PrefixCache:
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[index]
 
-    def attach(self, seq: Sequence) -> int:
+    def attach(self, seq: Sequence, limit: int | None = None) -> int:
         """Give a row with nothing computed the longest run of cached blocks matching its leading
-        tokens; returns the tokens it now has computed. The last token is always left to compute:
-        the row needs its logits to sample."""
+        tokens, within its first `limit` tokens; returns the tokens it now has computed. The last
+        token is always left to compute: the row needs its logits to sample."""
         assert seq.num_computed == 0 and not seq.block_table
         table = seq.block_table
-        for index in range((len(seq.token_ids) - 1) // self.pool.block_size):
+        usable = len(seq.token_ids) - 1 if limit is None else min(limit, len(seq.token_ids) - 1)
+        for index in range(usable // self.pool.block_size):
             block = self.pool.cached_block(self.block_hash(seq, index))
             if block is None:
                 break

@@ -22,11 +22,13 @@ _seq_ids = itertools.count()
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log-probability under the raw model, and the top alternatives."""
+    """One token's log-probability under the raw model, and the top alternatives (prompt tokens
+    also carry their rank: 1 + how many tokens the model found likelier)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class RequestOutput:
     completion_tokens: int  # total so far for this choice
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
+    # with the request's first output, when asked for: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     request_done: bool = False  # the last output of the request: nothing follows
 
@@ -112,6 +116,9 @@ class EngineRequest:
     # per step, the logprob of each (input row, token) its beam search chose (see beams.py)
     beam_logprobs: list[dict[tuple[int, int], TokenLogprob]] = field(default_factory=list)
     finishing_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
+    # prompt logprobs, when asked for: one per prompt token scored so far (the first is None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -123,6 +130,16 @@ class EngineRequest:
     def width(self) -> int:
         """Rows this request occupies once its prompt is prefilled."""
         return self.params.width
+
+    @property
+    def unscored_from(self) -> int | None:
+        """The first prompt position whose hidden state prompt logprobs still need (its logits
+        score the token after it); None when nothing is left to score. Tokens before it may come
+        from the prefix cache, later ones must be computed."""
+        scored = self.prompt_logprobs
+        if scored is None or len(scored) >= len(self.prompt_ids):
+            return None
+        return len(scored) - 1
 
     @property
     def streams(self) -> bool:

@@ -22,6 +22,7 @@ class PackedStep:
     position_ids: torch.Tensor  # [1, T]
     ctx: StepContext
     sample_rows: list[int]  # packed index of the last token of each item that samples, in order
+    item_starts: list[int]  # packed index of each item's first token
 
 
 def slots(table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
@@ -38,10 +39,12 @@ def pack_step(items: Sequence[WorkItem[Row]], block_size: int, device: torch.dev
     decode_rows: list[tuple[int, Row]] = []  # (packed index, row) of one-token rows
     prefill: list[SeqSlice] = []
     sample_rows: list[int] = []
+    item_starts: list[int] = []
     for item in items:
         seq, start = item.seq, item.seq.num_computed
         stop = start + item.num_new
         first = len(tokens)
+        item_starts.append(first)
         tokens.extend(seq.token_ids[start:stop])
         positions.extend(range(start, stop))
         if item.num_new == 1:
@@ -72,4 +75,5 @@ def pack_step(items: Sequence[WorkItem[Row]], block_size: int, device: torch.dev
         torch.tensor([positions], device=device),
         ctx,
         sample_rows,
+        item_starts,
     )

@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from decoding.logprobs import TokenLogprobs, token_logprobs
 from server.model.attention import (
     ATTENTION_NAME,
     DecodeStep,
@@ -30,16 +31,20 @@ from server.model.attention import (
     make_paged_attention,
 )
 from server.model.cpu_linear import TransposedLinear, transpose_linears
-from server.model.packing import pack_step
+from server.model.packing import PackedStep, pack_step
 from server.model.quantization import (
     quantize_decoder_w8a8,
     quantize_decoder_weights,
     quantized_lm_head,
 )
-from server.work import WorkItem
+from server.work import StepOutput, WorkItem
 
 log = logging.getLogger(__name__)
 _runner_ids = itertools.count()
+# Prompt positions per LM-head call when scoring a prompt: the logits of a whole 512-token chunk
+# over a 262k vocabulary would be half a gigabyte; 64 positions are 64 MiB (fp32), reduced to the
+# requested top-k before the next 64.
+SCORE_CHUNK = 64
 
 
 def compiler_available(device: torch.device) -> bool:
@@ -254,13 +259,38 @@ class ModelRunner:
         return self._run_decode(input_ids, position_ids, ctx)
 
     @torch.inference_mode()
-    def execute(self, items: list[WorkItem], copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Run `items` as one forward pass; logits [R, V] of the items that sample, in order."""
+    def execute(self, items: list[WorkItem], copies: list[tuple[int, int]]) -> StepOutput:
+        """Run `items` as one forward pass: logits of the items that sample, in order, and the
+        logprobs of the positions the items ask to score."""
         self.kv_cache.copy_blocks(copies)
         if items and all(item.num_new == 1 and item.samples for item in items):
-            return self._execute_decode(items)
+            return StepOutput(self._execute_decode(items))
         packed = pack_step(items, self.block_size, self.device)
         hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
+        scores = {
+            i: self._score(hidden, packed, i, item)
+            for i, item in enumerate(items)
+            if item.score is not None
+        }
         if not packed.sample_rows:
-            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-        return self._logits(hidden[torch.tensor(packed.sample_rows, device=self.device)])
+            return StepOutput(hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scores)
+        rows = hidden[torch.tensor(packed.sample_rows, device=self.device)]
+        return StepOutput(self._logits(rows), scores)
+
+    def _score(
+        self, hidden: torch.Tensor, packed: PackedStep, i: int, item: WorkItem
+    ) -> TokenLogprobs:
+        """Logprobs of the tokens that follow positions item.score.start..stop-1, the LM head
+        run on SCORE_CHUNK positions at a time and each part reduced to its top-k at once."""
+        span, seq = item.score, item.seq
+        assert span is not None
+        first = packed.item_starts[i] + span.start - seq.num_computed
+        targets = seq.token_ids[span.start + 1 : span.stop + 1]
+        parts = []
+        for a in range(0, len(targets), SCORE_CHUNK):
+            b = min(a + SCORE_CHUNK, len(targets))
+            logits = self._logits(hidden[first + a : first + b])
+            parts.append(
+                token_logprobs(logits, targets[a:b], num_top=span.num_top, with_ranks=True)
+            )
+        return TokenLogprobs.cat(parts)
