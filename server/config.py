@@ -122,6 +122,9 @@ class ServerConfig(BaseModel):
     grammar_compile_timeout: float = Field(
         10.0, gt=0, description="seconds a grammar may take to compile; then 400"
     )
+    playground: bool = Field(
+        True, description="serve the decoding playground page at / (false: / answers 404)"
+    )
     max_waiting_requests: int = Field(
         256, ge=0, description="queued requests beyond running; then 503"
     )

@@ -78,7 +78,8 @@ def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
         "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-waiting-requests",
         "--drain-timeout", "--api-key", "--api-key-file", "--public-path",
         "--cors-allow-origin", "--max-body-bytes", "--max-header-bytes", "--log-level",
-        "--log-format", "--grammar-cache-size", "--grammar-compile-timeout",
+        "--log-format", "--grammar-cache-size", "--grammar-compile-timeout", "--playground",
+        "--no-playground",
     }  # fmt: skip
     dests = {a.dest for a in serve_parser()._actions} - {"help", "config"}
     assert dests == set(ServerConfig.model_fields) - CONFIG_ONLY_KEYS

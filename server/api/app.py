@@ -17,11 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.api import responses, serving, streaming, tokenization
+from server.api import playground, responses, serving, streaming, tokenization
 from server.api.errors import APIError, install_error_handlers
 from server.api.guards import APIKeyGuard, BodySizeGuard
 from server.api.middleware import RequestIdMiddleware
-from server.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.api.models_route import ModelList, model_list
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.serving import Job, ServingContext
 from server.api.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest
 from server.config import ServerConfig
@@ -135,7 +136,8 @@ def create_app(
     app.state.serving = state
     # Added innermost first: the request id wraps everything, CORS answers preflights before auth.
     app.add_middleware(BodySizeGuard, max_bytes=config.max_body_bytes)
-    app.add_middleware(APIKeyGuard, keys=config.all_api_keys(), public_paths=config.public_paths)
+    public = [*config.public_paths, *(playground.PUBLIC_PATHS if config.playground else ())]
+    app.add_middleware(APIKeyGuard, keys=config.all_api_keys(), public_paths=public)
     if config.cors_allow_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -145,6 +147,9 @@ def create_app(
         )
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app, on_client_error=lambda: _count_validation_failure(state))
+
+    if config.playground:
+        playground.install_playground(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -168,8 +173,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        c = state.require()
-        return ModelList(data=[ModelCard(id=c.model_name, max_model_len=c.max_model_len)])
+        return model_list(state.require())
 
     @app.get("/v1/engine/stats")
     async def engine_stats() -> JSONResponse:

@@ -244,12 +244,19 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+def _unset(value: object) -> bool:
+    return value is None
+
+
 class Choice(BaseModel):
-    """What every choice of a response or chunk carries besides its content."""
+    """What every choice of a response or chunk carries besides its content; beam strategies add
+    the hypothesis' score (HF `sequences_scores`) and, for diverse beams, its group."""
 
     index: int
     logprobs: Any = None
     finish_reason: str | None = None
+    beam_score: Annotated[float | None, Field(exclude_if=_unset)] = None
+    beam_group: Annotated[int | None, Field(exclude_if=_unset)] = None
 
 
 class ResponseBody(BaseModel):
@@ -300,7 +307,7 @@ class ChatDelta(BaseModel):
 # vLLM's prompt_logprobs, sent only when asked for: per prompt token None (the first) or
 # {token id: {"logprob", "rank", "decoded_token"}} holding the prompt token and the top k.
 PromptLogprobsField = Annotated[
-    list[dict[str, dict[str, Any]] | None] | None, Field(exclude_if=lambda v: v is None)
+    list[dict[str, dict[str, Any]] | None] | None, Field(exclude_if=_unset)
 ]
 
 
@@ -332,16 +339,3 @@ class ChatCompletionResponse(ResponseBody):
 class ChatCompletionChunk(ResponseBody):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "beamline"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -84,6 +84,8 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None = None
     completion_tokens: int = 0
     prompt: PromptLogprobs | None = None  # the job's prompt logprobs, when it asked
+    beam_score: float | None = None
+    beam_group: int | None = None
 
 
 async def collect(
@@ -108,6 +110,7 @@ async def collect(
             if out.finished:
                 choice.finish_reason = out.finish_reason
                 choice.completion_tokens = out.completion_tokens
+                choice.beam_score, choice.beam_group = out.beam_score, out.beam_group
     for choice in choices.values():
         choice.prompt = prompts.get(id(choice.job))
     completion_tokens = sum(c.completion_tokens for c in choices.values())
@@ -138,6 +141,8 @@ async def completion_response(
                 finish_reason=c.finish_reason,
                 logprobs=legacy_logprobs(ctx, c.job, c.prompt, c.logprobs, 0),
                 prompt_logprobs=vllm_prompt_logprobs(ctx, c.job, c.prompt),
+                beam_score=c.beam_score,
+                beam_group=c.beam_group,
             )
             for i, c in sorted(choices.items())
         ],
@@ -196,4 +201,6 @@ def _chat_choice(ctx: ServingContext, job: Job, index: int, c: ChoiceResult) -> 
         message=message,
         finish_reason=reason,
         logprobs=chat_logprobs(ctx.tokenizer, c.logprobs) if c.logprobs is not None else None,
+        beam_score=c.beam_score,
+        beam_group=c.beam_group,
     )

@@ -118,6 +118,8 @@ def completion_chunk_maker(ctx: ServingContext, request_id: str) -> ChunkMaker:
                     finish_reason=out.finish_reason,
                     logprobs=logprobs,
                     prompt_logprobs=vllm_prompt_logprobs(ctx, part.job, part.prompt),
+                    beam_score=out.beam_score,
+                    beam_group=out.beam_group,
                 ).model_dump()
             ]
         return {
@@ -174,7 +176,16 @@ def chat_chunk_maker(
         delta = ChatDelta(content=text or None, tool_calls=calls)
         logprobs = chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs is not None else None
         body = chunk(
-            [ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)]
+            [
+                ChatChunkChoice(
+                    index=index,
+                    delta=delta,
+                    finish_reason=reason,
+                    logprobs=logprobs,
+                    beam_score=out.beam_score,
+                    beam_group=out.beam_group,
+                )
+            ]
         )
         scored = vllm_prompt_logprobs(ctx, part.job, part.prompt)
         if scored is not None:

@@ -18,7 +18,7 @@ from decoding import (
     step_beam_searches,
     token_logprobs,
 )
-from server.engine.output_processor import Choice
+from server.engine.output_processor import FinalChoice
 from server.engine.request import EngineRequest, TokenLogprob
 
 StepLogprobs = dict[tuple[int, int], TokenLogprob]  # (input row, token) -> logprob, one step
@@ -61,9 +61,20 @@ def hypothesis_logprobs(req: EngineRequest, hyp: Hypothesis) -> list[TokenLogpro
     return [e for e in entries if e is not None]
 
 
-def choices(req: EngineRequest, hypotheses: list[Hypothesis]) -> list[Choice]:
-    """The final choices of a beam request: each hypothesis with its tokens' logprobs."""
-    return [(h.token_ids, h.finish_reason, hypothesis_logprobs(req, h)) for h in hypotheses]
+def choices(req: EngineRequest, hypotheses: list[Hypothesis]) -> list[FinalChoice]:
+    """The final choices of a beam request: each hypothesis with its tokens' logprobs, its score
+    and (diverse beams) its group."""
+    grouped = req.params.num_beam_groups > 1
+    return [
+        FinalChoice(
+            h.token_ids,
+            h.finish_reason,
+            hypothesis_logprobs(req, h),
+            score=h.score,
+            group=h.group if grouped else None,
+        )
+        for h in hypotheses
+    ]
 
 
 def search_of(req: EngineRequest) -> BeamSearch | GroupBeamSearch:

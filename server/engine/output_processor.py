@@ -8,6 +8,7 @@ end: `emit_choices` sends each whole choice once, stop strings applied to its fu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
@@ -23,7 +24,16 @@ from server.engine.request import (
     TokenLogprob,
 )
 
-Choice = tuple[list[int], str, list[TokenLogprob] | None]  # token ids, finish reason, logprobs
+
+@dataclass(frozen=True)
+class FinalChoice:
+    """A whole choice of a beam or best_of request."""
+
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None
+    score: float | None = None  # beams: the hypothesis' score (HF `sequences_scores`)
+    group: int | None = None  # group beam search: the group it came from
 
 
 class OutputProcessor:
@@ -78,9 +88,10 @@ class OutputProcessor:
             request_done=request_done,
         )
 
-    def emit_choices(self, req: EngineRequest, choices: list[Choice]) -> None:
+    def emit_choices(self, req: EngineRequest, choices: list[FinalChoice]) -> None:
         """Send whole choices at once (beams, best_of), applying stop strings to each."""
-        for index, (token_ids, reason, logprobs) in enumerate(choices):
+        for index, choice in enumerate(choices):
+            token_ids, reason = choice.token_ids, choice.finish_reason
             text = cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
             cut = find_stop(text, req.params.stop) if req.params.stop else None
             if cut is not None:
@@ -88,14 +99,28 @@ class OutputProcessor:
             elif token_ids and token_ids[-1] in req.finishing_ids:
                 reason = "stop"
             done = index == len(choices) - 1
-            _emit(req, index, text, list(token_ids), reason, len(token_ids), logprobs, None, done)
+            _emit(
+                req,
+                index,
+                text,
+                list(token_ids),
+                reason,
+                len(token_ids),
+                choice.logprobs,
+                request_done=done,
+                beam=(choice.score, choice.group),
+            )
 
     def emit_best_samples(self, req: EngineRequest) -> None:
         """best_of: every sample is in; send the n most likely (raw cumulative logprob)."""
         ranked = rank_samples([s.cumulative_logprob for s in req.done_rows], req.params.n)
         chosen = [req.done_rows[i] for i in ranked]
         self.emit_choices(
-            req, [(s.output_ids, s.finish_reason or "length", s.logprobs or None) for s in chosen]
+            req,
+            [
+                FinalChoice(s.output_ids, s.finish_reason or "length", s.logprobs or None)
+                for s in chosen
+            ],
         )
 
     @staticmethod
@@ -132,6 +157,7 @@ def _emit(
     logprobs: list[TokenLogprob] | None = None,
     error: str | None = None,
     request_done: bool = False,
+    beam: tuple[float | None, int | None] = (None, None),
 ) -> None:
     prompt_logprobs = None
     if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and error is None:
@@ -148,6 +174,8 @@ def _emit(
             completion_tokens=completion_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            beam_score=beam[0],
+            beam_group=beam[1],
             error=error,
             request_done=request_done,
         )

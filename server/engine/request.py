@@ -46,6 +46,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
     # with the request's first output, when asked for: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    beam_score: float | None = None  # beams: the hypothesis' score; diverse beams: its group too
+    beam_group: int | None = None
     error: str | None = None
     request_done: bool = False  # the last output of the request: nothing follows
 

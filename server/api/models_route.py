@@ -1,0 +1,43 @@
+"""GET /v1/models: the served model, with this server's limits (a documented extension: a client
+such as the playground page sizes its controls from them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from server.api.context import ServingContext
+
+
+class ServerLimits(BaseModel):
+    max_n: int
+    max_best_of: int
+    max_num_beams: int
+    max_logprobs: int
+    max_stop_sequences: int
+    max_prompts_per_request: int
+    max_scored_prompt_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "beamline"
+    max_model_len: int | None = None
+    limits: ServerLimits | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def model_list(ctx: ServingContext) -> ModelList:
+    cfg = ctx.config
+    limits = ServerLimits(**{name: getattr(cfg, name) for name in ServerLimits.model_fields})
+    return ModelList(
+        data=[ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len, limits=limits)]
+    )
