@@ -4,12 +4,17 @@ itself in a real headless Chromium against a live server."""
 
 from __future__ import annotations
 
+import base64
 import gzip
 import os
+import socket
+import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +23,7 @@ from server.api.app import create_app
 from server.api.playground import FILES, PAGE_DIR
 from server.api.serving import ServingContext
 from tests.conftest import make_engine, serving_context
-from tests.live_server import live_server
+from tests.live_server import free_port, live_server
 from tests.test_deployment import require_binary
 
 PROMPT = "The sea is"
@@ -136,49 +141,103 @@ async def test_beam_choices_carry_their_score_and_diverse_beams_their_group(
 
 
 # ---- a real browser ----------------------------------------------------------------------------
-@pytest.fixture
-def browser() -> Iterator[object]:
-    chromium = require_binary("chromium", "apt-get install chromium chromium-driver")
+# Both drivers speak WebDriver's locator strategies, so one flow drives either browser.
+CSS = "css selector"
+
+
+@dataclass
+class Browser:
+    driver: Any  # a Selenium WebDriver or a Marionette session
+    open: Callable[[str], None]
+    save_screenshot: Callable[[Path], None]
+
+
+def chromium() -> Iterator[Browser]:
+    """Debian's chromium through Debian's chromedriver (Selenium downloads nothing then)."""
+    binary = require_binary("chromium", "apt-get install chromium chromium-driver")
     driver_path = require_binary("chromedriver", "apt-get install chromium-driver")
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
     options = Options()
-    options.binary_location = chromium
+    options.binary_location = binary
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(arg)
     options.add_argument("--window-size=1280,900")
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     try:
-        yield driver
+        yield Browser(driver, driver.get, lambda path: driver.save_screenshot(str(path)))
     finally:
         driver.quit()
 
 
-@pytest.mark.browser
-def test_the_page_runs_greedy_and_beam_columns_in_chromium(
-    browser: object, tiny_ctx: ServingContext, tmp_path: Path
-) -> None:
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.remote.webdriver import WebDriver
+def firefox(profile: Path) -> Iterator[Browser]:
+    """Debian's firefox-esr through its built-in Marionette server (Debian has no geckodriver)."""
+    binary = require_binary("firefox-esr", "apt-get install firefox-esr")
+    from marionette_driver.marionette import Marionette
 
-    assert isinstance(browser, WebDriver)
+    port = free_port()
+    profile.mkdir()
+    (profile / "user.js").write_text(f'user_pref("marionette.port", {port});\n')
+    args = ["--headless", "--marionette", "--profile", str(profile), "--width", "1280"]
+    process = subprocess.Popen(
+        [binary, *args, "--height", "900", "about:blank"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "Firefox's Marionette did not start"
+                time.sleep(0.2)
+        session = Marionette(host="127.0.0.1", port=port)
+        session.start_session()
+        try:
+            yield Browser(
+                session,
+                session.navigate,
+                lambda path: path.write_bytes(base64.b64decode(session.screenshot())),
+            )
+        finally:
+            session.delete_session()
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@pytest.fixture(params=["chromium", "firefox"])
+def browser(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Browser]:
+    if request.param == "chromium":
+        yield from chromium()
+    else:
+        yield from firefox(tmp_path / "firefox-profile")
+
+
+@pytest.mark.browser
+def test_the_page_runs_greedy_and_beam_columns_in_a_browser(
+    browser: Browser, tiny_ctx: ServingContext, tmp_path: Path
+) -> None:
+    driver = browser.driver
     with live_server(create_app(ctx=tiny_ctx)) as base:
-        browser.get(base + "/")
-        prompt = browser.find_element(By.ID, "prompt")
+        browser.open(base + "/")
+        prompt = driver.find_element(CSS, "#prompt")
         prompt.clear()
         prompt.send_keys(PROMPT)
-        max_tokens = browser.find_element(By.ID, "max-tokens")
+        max_tokens = driver.find_element(CSS, "#max-tokens")
         max_tokens.clear()
         max_tokens.send_keys("12")
-        columns = browser.find_elements(By.CSS_SELECTOR, ".column")
+        columns = driver.find_elements(CSS, ".column")
         assert [c.get_attribute("data-strategy") for c in columns] == ["greedy", "beam"]
         deadline = time.monotonic() + 10
-        while "Model tiny" not in browser.find_element(By.ID, "model-info").text:
+        while "Model tiny" not in driver.find_element(CSS, "#model-info").text:
             assert time.monotonic() < deadline, "the page did not read /v1/models"
             time.sleep(0.05)
-        browser.find_element(By.ID, "run").click()
+        driver.find_element(CSS, "#run").click()
         deadline = time.monotonic() + 60
         while any(c.get_attribute("data-state") != "done" for c in columns):
             states = [c.get_attribute("data-state") for c in columns]
@@ -190,15 +249,16 @@ def test_the_page_runs_greedy_and_beam_columns_in_chromium(
             json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0},
         ).json()["choices"][0]["text"]
         greedy, beam = columns
-        (greedy_choice,) = greedy.find_elements(By.CSS_SELECTOR, ".choice-text")
-        assert greedy_choice.get_attribute("textContent") == expected
-        assert greedy_choice.find_elements(By.CSS_SELECTOR, ".tok[data-logprob]")  # shaded
-        hypotheses = beam.find_elements(By.CSS_SELECTOR, ".choice[data-score]")
+        (greedy_choice,) = greedy.find_elements(CSS, ".choice-text")
+        assert greedy_choice.get_property("textContent") == expected
+        assert greedy_choice.find_elements(CSS, ".tok[data-logprob]")  # shaded by logprob
+        hypotheses = beam.find_elements(CSS, ".choice[data-score]")
         assert len(hypotheses) == 4
         scores = [float(h.get_attribute("data-score")) for h in hypotheses]
         assert scores == sorted(scores, reverse=True)
         assert all("score" in h.text for h in hypotheses)
-        assert "tok/s" in greedy.find_element(By.CSS_SELECTOR, ".status").text
+        assert "tok/s" in greedy.find_element(CSS, ".status").text
         out = Path(os.environ.get("BEAMLINE_TEST_ARTIFACTS", tmp_path))
         out.mkdir(parents=True, exist_ok=True)
-        assert browser.save_screenshot(str(out / "playground.png"))
+        name = "firefox" if "marionette" in type(driver).__module__ else "chromium"
+        browser.save_screenshot(out / f"playground-{name}.png")
