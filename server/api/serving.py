@@ -31,12 +31,7 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
 
 def tokenize_prompt(ctx: ServingContext, prompt: str | list[int], param: str) -> list[int]:
     if isinstance(prompt, str):
-        try:
-            ids = encode_text(ctx.tokenizer, prompt)
-        except Exception as exc:  # e.g. lone surrogates that cannot be encoded
-            raise bad_request(
-                f"prompt cannot be tokenized: {exc}", param, "invalid_prompt"
-            ) from exc
+        ids = encode_text(ctx.tokenizer, prompt, param)
     else:
         ids = list(prompt)
         check_ids(ctx, ids, param)

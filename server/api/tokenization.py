@@ -50,12 +50,22 @@ def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bos is not None and tokenizer("", add_special_tokens=True).input_ids[:1] == [bos]
 
 
-def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """A text prompt's ids, with the tokenizer's special tokens, except that a text that already
-    begins with the BOS token (clients that build prompts themselves send one) gets no second."""
+def encode_text(
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    param: str = "prompt",
+    add_special_tokens: bool = True,
+) -> list[int]:
+    """A text prompt's ids, with the tokenizer's special tokens unless told otherwise, except that
+    a text that already begins with the BOS token (clients that build prompts themselves send
+    one) gets no second. A text the tokenizer cannot encode is a 400 naming `param`."""
     bos = tokenizer.bos_token
-    already = isinstance(bos, str) and bool(bos) and text.startswith(bos)
-    return list(tokenizer(text, add_special_tokens=not already).input_ids)
+    if isinstance(bos, str) and bos and text.startswith(bos):
+        add_special_tokens = False
+    try:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    except Exception as exc:  # e.g. lone surrogates that cannot be encoded
+        raise bad_request(f"prompt cannot be tokenized: {exc}", param, "invalid_prompt") from exc
 
 
 def check_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
@@ -71,21 +81,11 @@ def check_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
 def tokenize(ctx: ServingContext, req: TokenizePromptRequest | TokenizeChatRequest) -> dict:
     """{"count", "max_model_len", "tokens", "token_strs"}: a prompt's ids as /v1/completions
     would run them, or messages' ids as /v1/chat/completions would."""
-    tokenizer = ctx.tokenizer
     if isinstance(req, TokenizePromptRequest):
-        try:
-            ids = (
-                encode_text(tokenizer, req.prompt)
-                if req.add_special_tokens
-                else list(tokenizer(req.prompt, add_special_tokens=False).input_ids)
-            )
-        except Exception as exc:  # e.g. lone surrogates
-            raise bad_request(
-                f"prompt cannot be tokenized: {exc}", "prompt", "invalid_prompt"
-            ) from exc
+        ids = encode_text(ctx.tokenizer, req.prompt, "prompt", req.add_special_tokens)
     else:
         ids = _chat_ids(ctx, req)
-    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    strs = ctx.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return {
         "count": len(ids),
         "max_model_len": ctx.max_model_len,
