@@ -14,6 +14,7 @@ A processor no row uses builds nothing and costs nothing.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,39 +36,55 @@ class Pairs:
 
 
 class PairsBuilder:
-    """Collects per-row chunks as tensors (prompts can be long: no Python tuple per entry)."""
+    """Collects every row's entries in flat lists, turned into tensors once per step: per-row
+    tensors, or `torch.tensor` over a long Python list, cost more than the data."""
 
     def __init__(self) -> None:
-        self.chunks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.tokens = array("q")
+        self.counts: list[int] = []  # entries per added chunk
+        self.rows: list[int] = []  # row of each chunk
+        self.values: list[float] = []  # one per chunk (a scalar) or per entry
+        self.per_entry = False
 
     def add(
         self, row: int, tokens: Sequence[int] | torch.Tensor, values: float | Sequence[float]
     ) -> None:
-        ids = torch.as_tensor(tokens, dtype=torch.long)
-        if ids.numel():
-            vals = (
-                torch.full(ids.shape, values, dtype=torch.float32)
-                if isinstance(values, (int, float))
-                else torch.tensor(values, dtype=torch.float32)
-            )
-            self.chunks.append((row, ids, vals))
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+        if not len(ids):
+            return
+        self.tokens.extend(ids)
+        self.counts.append(len(ids))
+        self.rows.append(row)
+        if isinstance(values, (int, float)):
+            self.values.append(float(values))
+        else:  # values per entry: expand the chunks so far, keep entries from now on
+            if not self.per_entry:
+                self.values = [v for v, c in zip(self.values, self.counts) for _ in range(c)]
+                self.per_entry = True
+            self.values.extend(values)
+            return
+        if self.per_entry:
+            self.values[-1:] = [self.values[-1]] * len(ids)
 
     def build(self, vocab_size: int, device: torch.device | str) -> Pairs | None:
-        if not self.chunks:
+        if not self.rows:
             return None
-        tokens = torch.cat([ids for _, ids, _ in self.chunks])
-        rows = torch.cat([torch.full_like(ids, r) for r, ids, _ in self.chunks])
-        values = torch.cat([vals for _, _, vals in self.chunks])
+        tokens = torch.frombuffer(self.tokens, dtype=torch.long)
+        counts = torch.tensor(self.counts)
+        rows = torch.tensor(self.rows).repeat_interleave(counts)
+        values = torch.tensor(self.values, dtype=torch.float32)
+        if not self.per_entry:
+            values = values.repeat_interleave(counts)
         keep = tokens < vocab_size  # the API rejects these; never let one crash a shared batch
-        return Pairs(rows[keep].to(device), tokens[keep].to(device), values[keep].to(device))
+        if not bool(keep.all()):
+            tokens, rows, values = tokens[keep], rows[keep], values[keep]
+        return Pairs(rows.to(device), tokens.to(device), values.to(device))
 
 
 @dataclass
 class ProcessorTensors:
     logit_bias: Pairs | None = None  # value: bias
-    repetition: Pairs | None = (
-        None  # value: penalty; one pair per distinct token of prompt + output
-    )
+    repetition: Pairs | None = None  # value: penalty; one pair per token of prompt + output
     presence_frequency: Pairs | None = None  # value: frequency * count + presence, output tokens
     banned: Pairs | None = None  # n-gram, bad words, min tokens
 
@@ -96,8 +113,8 @@ def build_processor_tensors(
     for r, p in enumerate(params):
         if p.logit_bias:
             bias.add(r, list(p.logit_bias), list(p.logit_bias.values()))
-        if p.repetition_penalty != 1.0:
-            repetition.add(r, list(set(prompt_ids[r]).union(output_ids[r])), p.repetition_penalty)
+        if p.repetition_penalty != 1.0:  # repeated tokens are harmless: equal writes of one value
+            repetition.add(r, [*prompt_ids[r], *output_ids[r]], p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
             counts = Counter(output_ids[r])
             deltas = [p.frequency_penalty * c + p.presence_penalty for c in counts.values()]

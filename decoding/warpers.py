@@ -30,6 +30,14 @@ class RowParams:
     rows: torch.Tensor  # [M] long
     values: torch.Tensor  # [M, 1] float, or [M] long for top-k
     min_keep: torch.Tensor  # [M] long
+    every_row: bool = False  # all R rows, in order: no gather / scatter of the rows needed
+
+    def apply(self, scores: torch.Tensor, warp: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """scores[rows] = warp(scores[rows]), in place."""
+        if self.every_row:
+            scores.copy_(warp(scores))
+        else:
+            scores[self.rows] = warp(scores[self.rows])
 
 
 @dataclass
@@ -49,6 +57,8 @@ def build_warper_tensors(
     device: torch.device | str,
 ) -> WarperTensors | None:
     """Warper rows among those flagged in `warped`; None when no row needs any warper."""
+    if not any(warped):
+        return None
 
     def select(
         value: Callable[[DecodingParams, int], float | None], dtype: torch.dtype
@@ -67,6 +77,7 @@ def build_warper_tensors(
             rows=torch.tensor(rows, dtype=torch.long, device=device),
             values=tensor if dtype == torch.long else tensor.unsqueeze(1),
             min_keep=torch.tensor([min_keep[r] for r in rows], dtype=torch.long, device=device),
+            every_row=len(rows) == len(params),
         )
 
     f32 = torch.float32
@@ -87,20 +98,23 @@ def apply_warpers_(scores: torch.Tensor, t: WarperTensors | None) -> torch.Tenso
     """Warp the listed rows of `scores` in place (the caller owns it); others stay bit-identical."""
     if t is None:
         return scores
-    if t.temperature is not None:
-        rows = t.temperature.rows
-        scores[rows] = scores[rows] / t.temperature.values
-    if t.top_k is not None:
-        rp = t.top_k
-        scores[rp.rows] = top_k_warp(scores[rp.rows], rp.values, rp.min_keep)
+    if (temp := t.temperature) is not None:
+        if temp.every_row:
+            scores.div_(temp.values)
+        else:
+            scores[temp.rows] = scores[temp.rows] / temp.values
+    if (rp := t.top_k) is not None:
+        rp.apply(scores, lambda s: top_k_warp(s, rp.values, rp.min_keep))
     for warp, sorted_rp in (
         (top_p_warp, t.top_p),
         (min_p_warp, t.min_p),
         (typical_warp, t.typical_p),
     ):
         if sorted_rp is not None:
-            rows = sorted_rp.rows
-            scores[rows] = on_support(warp, scores[rows], sorted_rp.values, sorted_rp.min_keep)
+            sorted_rp.apply(
+                scores,
+                lambda s, w=warp, p=sorted_rp: on_support(w, s, p.values, p.min_keep),  # type: ignore[misc]
+            )
     return scores
 
 

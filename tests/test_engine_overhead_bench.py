@@ -1,0 +1,35 @@
+"""The engine-overhead benchmark runs (tiny sizes) and reports what it says it does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import engine_overhead
+from benchmarks.random_models import SHAPES, build_random_model
+
+
+def test_engine_overhead_reports_every_kind(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    results = engine_overhead.main(
+        ["--rows", "4,8", "--kinds", "greedy,sampled,beam", "--steps", "3", "--out", str(out)]
+    )
+    assert [(r.kind, r.rows) for r in results] == [
+        (kind, rows) for kind in ("greedy", "sampled", "beam") for rows in (4, 8)
+    ]
+    for r in results:
+        assert r.steps == 3
+        assert 0 < r.forward_ms < r.step_ms  # the forward was timed, and inside the step
+        assert r.host_ms > 0
+    assert [row["kind"] for row in json.loads(out.read_text())] == [r.kind for r in results]
+
+
+def test_random_model_has_the_shape_and_a_tokenizer_for_every_id(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = build_random_model(tmp_path / "tiny", "tiny")
+    config = AutoConfig.from_pretrained(path)
+    assert config.hidden_size == SHAPES["tiny"]["hidden_size"]
+    tok = AutoTokenizer.from_pretrained(path)
+    assert len(tok) == config.vocab_size
+    assert tok.decode([5, 6]) == "w5 w6"
