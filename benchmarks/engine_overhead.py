@@ -37,7 +37,7 @@ from server.model.runner import ModelRunner
 PROMPT_TOKENS = 8
 BEAMS = 4
 KINDS: dict[str, Callable[[int], DecodingParams]] = {
-    "greedy": lambda i: DecodingParams(max_tokens=100_000, ignore_eos=True),
+    "greedy": lambda i: DecodingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0),
     "sampled": lambda i: DecodingParams(
         max_tokens=100_000,
         ignore_eos=True,
@@ -47,7 +47,9 @@ KINDS: dict[str, Callable[[int], DecodingParams]] = {
         repetition_penalty=1.1,
         seed=i,
     ),
-    "beam": lambda i: DecodingParams(max_tokens=100_000, ignore_eos=True, num_beams=BEAMS),
+    "beam": lambda i: DecodingParams(
+        max_tokens=100_000, ignore_eos=True, temperature=0.0, num_beams=BEAMS
+    ),
 }
 
 

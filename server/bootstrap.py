@@ -39,6 +39,7 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         num_blocks=config.num_kv_blocks,
         quantization=config.quantization,
         linear_layout=config.linear_layout,
+        attention_backend=config.attention_backend,
         compile_decode=config.torch_compile,
         cuda_graphs=config.torch_compile and config.cuda_graphs and device.type == "cuda",
     )

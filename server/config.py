@@ -78,6 +78,12 @@ class ServerConfig(BaseModel):
         description="linear weights stored [in, out] (transposed: faster small-batch GEMMs on "
         "CPU) or as loaded (native); auto = transposed on CPU, native on CUDA",
     )
+    attention_backend: Literal["auto", "gather", "triton"] = Field(
+        "auto",
+        description="paged attention: triton reads keys and values through the block table in "
+        "one kernel per layer (CUDA); gather copies each row's history out of the pool, then "
+        "SDPA (the reference, and the CPU's path); auto = triton on CUDA, gather on the CPU",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="CPU threads of a model step (torch intra-op); empty = one per core"
     )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+
+# Triton kernels run on CPU tensors through Triton's interpreter, which must be chosen before
+# anything imports triton (torch and transformers may, while they load).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path
 
 import httpx

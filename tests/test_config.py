@@ -72,6 +72,7 @@ def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
     assert flags == {
         "--help", "--config", "--host", "--port", "--model", "--served-model-name",
         "--cache-dir", "--device", "--dtype", "--quantization", "--linear-layout",
+        "--attention-backend",
         "--num-threads", "--torch-compile", "--no-torch-compile", "--cuda-graphs",
         "--no-cuda-graphs", "--block-size", "--kv-cache-memory", "--num-kv-blocks",
         "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",

@@ -52,7 +52,7 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the newly stable text (possibly empty)."""
         self.ids.append(token_id)
-        if self._stream is not None:
+        if self._stream is not None and self._backend is not None:
             new = self._stream.step(self._backend, token_id)
             if not new:
                 return ""

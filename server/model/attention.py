@@ -14,6 +14,7 @@ so that `torch.compile` can trace the whole decoder through it (see runner.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -116,6 +117,57 @@ class StepContext:
         return self._cache[key]
 
 
+@dataclass
+class PagedStep:
+    """A step's metadata for the paged-attention kernel (triton_attention.py), which reads keys
+    and values through the block tables itself: the packed queries cut into tiles of up to
+    `block_q` tokens of one sequence."""
+
+    slot_mapping: torch.Tensor  # [T] flat slot of each packed token
+    block_tables: torch.Tensor  # [S, max_blocks] int32, one row per sequence in the step
+    tile_seq: torch.Tensor  # [tiles] int32: the sequence (row of block_tables) of each tile
+    tile_token: torch.Tensor  # [tiles] int32: packed index of the tile's first query
+    tile_len: torch.Tensor  # [tiles] int32: queries in the tile (<= block_q)
+    tile_pos: torch.Tensor  # [tiles] int32: position of the tile's first query in its sequence
+    block_q: int  # query tokens per tile (1 when every sequence adds one token)
+    block_size: int  # tokens per KV block
+
+    @classmethod
+    def build(
+        cls,
+        tables: list[list[int]],
+        starts: list[int],
+        num_new: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> PagedStep:
+        """Sequence i adds tokens at positions starts[i] .. starts[i] + num_new[i] - 1, packed in
+        order; `tables[i]` covers them. Built on the host, copied without blocking the host."""
+        block_q = 1 if max(num_new) == 1 else 16
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        meta: list[list[int]] = [[], [], [], []]  # tile_seq, tile_token, tile_len, tile_pos
+        first = 0
+        for i, (start, n) in enumerate(zip(starts, num_new)):
+            for offset in range(0, n, block_q):
+                for field_values, value in zip(
+                    meta, (i, first + offset, min(block_q, n - offset), start + offset)
+                ):
+                    field_values.append(value)
+            first += n
+        counts = torch.tensor(num_new)
+        rows = torch.repeat_interleave(torch.arange(len(tables)), counts)
+        packed_first = counts.cumsum(0) - counts  # packed index of each sequence's first token
+        shift = torch.tensor(starts) - packed_first  # position minus packed index, per sequence
+        pos = torch.arange(first) + torch.repeat_interleave(shift, counts)
+        slots = table[rows, pos // block_size].long() * block_size + pos % block_size
+        tiles = torch.tensor(meta, dtype=torch.int32)
+        if device.type == "cuda":
+            slots, table, tiles = slots.pin_memory(), table.pin_memory(), tiles.pin_memory()
+        slots, table, tiles = (t.to(device, non_blocking=True) for t in (slots, table, tiles))
+        return cls(slots, table, tiles[0], tiles[1], tiles[2], tiles[3], block_q, block_size)
+
+
 class PagedKVCache:
     """Preallocated key/value pools: per layer, [num_blocks * block_size, kv_heads, head_dim]."""
 
@@ -191,8 +243,12 @@ def _attend_decode(
     return _attend(q.unsqueeze(2), k, v, step.mask(window), scaling, softcap).squeeze(2)
 
 
-def make_paged_attention(cache: PagedKVCache):
-    """Build the attention function bound to one KV cache."""
+PagedKernel = Callable[..., torch.Tensor]  # triton_attention.paged_attention's signature
+
+
+def make_paged_attention(cache: PagedKVCache, kernel: PagedKernel | None = None):
+    """Build the attention function bound to one KV cache; `kernel` serves `PagedStep` contexts
+    (the runner passes triton_attention.paged_attention when that backend is chosen)."""
 
     def paged_attention(
         module: torch.nn.Module,
@@ -203,7 +259,7 @@ def make_paged_attention(cache: PagedKVCache):
         scaling: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
-        beamline_ctx: StepContext | DecodeStep | None = None,
+        beamline_ctx: StepContext | DecodeStep | PagedStep | None = None,
         **_: object,
     ) -> tuple[torch.Tensor, None]:
         if beamline_ctx is None:
@@ -217,6 +273,12 @@ def make_paged_attention(cache: PagedKVCache):
         v_pool.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))
 
         q = query[0].transpose(0, 1)  # [T, H, D]
+        if isinstance(ctx, PagedStep):
+            if kernel is None:
+                raise RuntimeError("a PagedStep needs the paged-attention kernel")
+            window = sliding_window
+            out = kernel(q, k_pool, v_pool, ctx, scale=scale, softcap=softcap, window=window)
+            return out.unsqueeze(0), None
         if isinstance(ctx, DecodeStep):
             return _attend_decode(q, k_pool, v_pool, ctx, sliding_window, scale, softcap).unsqueeze(
                 0

@@ -33,3 +33,26 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
     return getattr(torch, name)  # every name but "auto" is a torch dtype's
+
+
+def quantization_problem(quantization: str, device: torch.device) -> str | None:
+    """Why `quantization` cannot run on `device` (None: it can). Checked before anything loads:
+    the int8 kernels are CPU GEMMs (quantization.py)."""
+    if quantization != "none" and device.type != "cpu":
+        return (
+            f"quantization {quantization} runs on the CPU only (its int8 kernels are CPU GEMMs); "
+            f"on {device.type} serve with quantization none (bfloat16 is the default there)"
+        )
+    return None
+
+
+def dtype_warning(model_type: str, dtype: torch.dtype) -> str | None:
+    """A dtype known to break a model family: Gemma's activations overflow float16's range."""
+    import torch
+
+    if dtype == torch.float16 and model_type.startswith("gemma"):
+        return (
+            f"{model_type} in float16: Gemma's activations overflow float16 (inf / NaN logits, "
+            "garbled text); use bfloat16 (the CUDA default) or float32"
+        )
+    return None

@@ -1,8 +1,9 @@
-"""Packing a prefill or mixed step: every row's new tokens as one [1, T] sequence for the model.
+"""Packing a step: every row's new tokens as one [1, T] sequence for the model.
 
-Rows that add one token attend as one padded decode batch (`DecodeStep`); rows with a prompt chunk
-attend one by one over their gathered history (`SeqSlice`). Decode-only steps take the faster
-path in runner.py and never come here.
+With the paged-attention kernel, the whole step is one `PagedStep` (block tables and query tiles).
+With the gather path, rows that add one token attend as one padded decode batch (`DecodeStep`) and
+rows with a prompt chunk attend one by one over their gathered history (`SeqSlice`); its
+decode-only steps take the faster path in runner.py and never come here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.model.attention import DecodeStep, SeqSlice, StepContext
+from server.model.attention import DecodeStep, PagedStep, SeqSlice, StepContext
 from server.work import Row, WorkItem
 
 
@@ -20,7 +21,7 @@ from server.work import Row, WorkItem
 class PackedStep:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
-    ctx: StepContext
+    ctx: StepContext | PagedStep
     sample_rows: list[int]  # packed index of the last token of each item that samples, in order
     item_starts: list[int]  # packed index of each item's first token
 
@@ -32,7 +33,12 @@ def slots(table: list[int], start: int, stop: int, block_size: int) -> torch.Ten
     return blocks * block_size + pos % block_size
 
 
-def pack_step(items: Sequence[WorkItem[Row]], block_size: int, device: torch.device) -> PackedStep:
+def pack_step(
+    items: Sequence[WorkItem[Row]], block_size: int, device: torch.device, *, kernel: bool = False
+) -> PackedStep:
+    """The step's tokens and positions, and the attention context of the chosen path."""
+    if kernel:
+        return _pack_for_kernel(items, block_size, device)
     tokens: list[int] = []
     positions: list[int] = []
     slot_parts: list[torch.Tensor] = []
@@ -69,6 +75,36 @@ def pack_step(items: Sequence[WorkItem[Row]], block_size: int, device: torch.dev
         decode_index=decode_index,
         prefill=prefill,
         device=device,
+    )
+    return PackedStep(
+        torch.tensor([tokens], device=device),
+        torch.tensor([positions], device=device),
+        ctx,
+        sample_rows,
+        item_starts,
+    )
+
+
+def _pack_for_kernel(
+    items: Sequence[WorkItem[Row]], block_size: int, device: torch.device
+) -> PackedStep:
+    tokens: list[int] = []
+    positions: list[int] = []
+    sample_rows: list[int] = []
+    item_starts: list[int] = []
+    for item in items:
+        seq, start = item.seq, item.seq.num_computed
+        item_starts.append(len(tokens))
+        tokens += seq.token_ids[start : start + item.num_new]
+        positions += range(start, start + item.num_new)
+        if item.samples:
+            sample_rows.append(len(tokens) - 1)
+    ctx = PagedStep.build(
+        [item.seq.block_table for item in items],
+        [item.seq.num_computed for item in items],
+        [item.num_new for item in items],
+        block_size,
+        device,
     )
     return PackedStep(
         torch.tensor([tokens], device=device),

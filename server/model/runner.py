@@ -8,6 +8,7 @@ and int8 quantizations (cpu_linear.py, quantization.py), and CUDA graphs (padded
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import os
@@ -26,11 +27,14 @@ from decoding.logprobs import TokenLogprobs, token_logprobs
 from server.model.attention import (
     ATTENTION_NAME,
     DecodeStep,
+    PagedKernel,
     PagedKVCache,
+    PagedStep,
     StepContext,
     make_paged_attention,
 )
 from server.model.cpu_linear import TransposedLinear, transpose_linears
+from server.model.devices import dtype_warning, quantization_problem
 from server.model.packing import PackedStep, pack_step
 from server.model.quantization import (
     quantize_decoder_w8a8,
@@ -55,6 +59,37 @@ def compiler_available(device: torch.device) -> bool:
     return any(shutil.which(name) for name in ((chosen,) if chosen else ()) + names)
 
 
+def pick_attention_backend(name: str, device: torch.device, compile_decode: bool) -> str:
+    """auto: the paged-attention kernel on CUDA (gather with torch_compile, whose CUDA graphs
+    are built around the gather path), the gather path on the CPU (faster there: see README)."""
+    available = importlib.util.find_spec("triton") is not None
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if name == "auto":
+        return "triton" if device.type == "cuda" and available and not compile_decode else "gather"
+    if name == "triton":
+        if not available:
+            raise ValueError("attention_backend triton needs the triton package")
+        if device.type != "cuda" and not interpret:
+            raise ValueError(
+                "attention_backend triton runs on CUDA (on the CPU only under TRITON_INTERPRET=1, "
+                "for tests); use gather"
+            )
+        if compile_decode:
+            raise ValueError("torch_compile runs the gather path: use attention_backend gather")
+    elif name != "gather":
+        raise ValueError(f"attention_backend must be auto, gather or triton; got {name!r}")
+    return name
+
+
+def paged_kernel(backend: str) -> PagedKernel | None:
+    """The kernel that serves `PagedStep` contexts; triton is imported only when chosen."""
+    if backend != "triton":
+        return None
+    from server.model import triton_attention
+
+    return triton_attention.paged_attention
+
+
 def shape_bucket(n: int, minimum: int) -> int:
     """The smallest power of two >= max(n, minimum): few distinct shapes, at most 2x padding."""
     return 1 << (max(n, minimum) - 1).bit_length()
@@ -74,19 +109,27 @@ class ModelRunner:
         linear_layout: str = "auto",
         compile_decode: bool = False,
         cuda_graphs: bool = False,
+        attention_backend: str = "gather",
     ) -> None:
         if compile_decode and not compiler_available(device):
             raise ValueError(
                 "torch_compile needs a C/C++ compiler on PATH (inductor builds its kernels with "
                 "it): install g++ (CPU) or gcc (CUDA, for Triton), or run without --torch-compile"
             )
+        if (problem := quantization_problem(quantization, device)) is not None:
+            raise ValueError(problem)  # before minutes of loading, not after
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.attention_backend = pick_attention_backend(attention_backend, device, compile_decode)
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.config = getattr(config, "text_config", config)
+        if (warning := dtype_warning(str(self.config.model_type), dtype)) is not None:
+            log.warning(warning)
+        # On an accelerator the weights load straight onto it (no copy through host RAM).
+        placement = {"device_map": str(device)} if device.type != "cpu" else {}
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False
+            model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False, **placement
         )
         model = model.to(device)  # type: ignore[arg-type]  # transformers' .to() stub loses self
         self.model = model.eval()
@@ -144,15 +187,17 @@ class ModelRunner:
         # One registered name per runner: the function is bound to this runner's own KV cache, so
         # several engines in one process (tests, benchmarks) never write into each other's pools.
         name = f"{ATTENTION_NAME}_{next(_runner_ids)}"
-        AttentionInterface.register(name, make_paged_attention(self.kv_cache))
+        kernel = paged_kernel(self.attention_backend)
+        AttentionInterface.register(name, make_paged_attention(self.kv_cache, kernel))
         self.model.set_attn_implementation(name)
         log.info(
-            "model on %s (%s): %d KV blocks of %d tokens (%.1f MiB)",
+            "model on %s (%s): %d KV blocks of %d tokens (%.1f MiB), %s attention",
             device,
             dtype,
             self.num_blocks,
             block_size,
             self.num_blocks * per_block / 2**20,
+            self.attention_backend,
         )
         # Decode-only steps (every sequence adds one token) may run through torch.compile: it
         # fuses the element-wise glue between the matmuls and drops most of the per-op dispatch
@@ -184,7 +229,10 @@ class ModelRunner:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
     def _run_decoder(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext | DecodeStep
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        ctx: StepContext | DecodeStep | PagedStep,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of the packed tokens."""
         return self.decoder(
@@ -263,9 +311,10 @@ class ModelRunner:
         """Run `items` as one forward pass: logits of the items that sample, in order, and the
         logprobs of the positions the items ask to score."""
         self.kv_cache.copy_blocks(copies)
-        if items and all(item.num_new == 1 and item.samples for item in items):
+        kernel = self.attention_backend == "triton"
+        if not kernel and items and all(item.num_new == 1 and item.samples for item in items):
             return StepOutput(self._execute_decode(items))
-        packed = pack_step(items, self.block_size, self.device)
+        packed = pack_step(items, self.block_size, self.device, kernel=kernel)
         hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
         scores = {
             i: self._score(hidden, packed, i, item)
