@@ -84,14 +84,14 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"beamline: {exc}", file=sys.stderr)
         return 2
-    setup_logging(config.log_level, config.log_format)
-    from server.http_server import run_server  # heavy imports (the model side) only when serving
     from server.model.devices import pick_device, quantization_problem
 
     problem = quantization_problem(config.quantization, pick_device(config.device))
     if problem is not None:
         print(f"beamline: {problem}", file=sys.stderr)  # at once, not after loading the model
         return 2
+    setup_logging(config.log_level, config.log_format)
+    from server.http_server import run_server  # heavy imports (the model side) only when serving
 
     run_server(config)
     return 0
