@@ -57,7 +57,7 @@ class StepTimer:
 
 
 def load_hf_model(
-    model: str | None, dtype: str = "float32", cache_dir: Path | None = None
+    model: str | None, dtype: str = "float32", cache_dir: Path | None = None, device: str = "cpu"
 ) -> HFModel:
     """Load the same model beamline serves (GGUF converted once by beamline's own loader)."""
     import torch
@@ -71,7 +71,8 @@ def load_hf_model(
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    net = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    net = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    net = net.to(device).eval()  # type: ignore[arg-type]  # transformers' .to() stub loses self
     eos = net.generation_config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return HFModel(net, tokenizer, path, dtype, time.perf_counter() - start, eos_ids)
@@ -95,7 +96,7 @@ def _generate(hf: HFModel, batch: Sequence[BenchRequest], ignore_eos: bool) -> l
 
     tok = hf.tokenizer
     t0 = time.perf_counter()
-    enc = tok([r.prompt for r in batch], return_tensors="pt", padding=True)
+    enc = tok([r.prompt for r in batch], return_tensors="pt", padding=True).to(hf.model.device)
     config = GenerationConfig(
         max_new_tokens=max(r.max_tokens for r in batch),
         do_sample=False,

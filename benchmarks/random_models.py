@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 # Shapes of the public checkpoints (their config.json), vocabulary included.
@@ -53,12 +53,28 @@ SHAPES: dict[str, dict[str, object]] = {
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
+def word_of(token_id: int) -> str:
+    """`w` and the id in base 26, as letters: byte-level pre-tokenizers split off digits."""
+    letters = ""
+    while True:
+        token_id, digit = divmod(token_id, 26)
+        letters = chr(ord("a") + digit) + letters
+        if not token_id:
+            return "w" + letters
+
+
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Ids 0-3 are the special tokens, every other id is the word `w<id>`."""
+    """Byte-level: ids 0-3 are the special tokens, then the 256 bytes, then one word per id
+    (` ` + `word_of(id)`), so every id decodes and grammar engines (llguidance) recognise the
+    decoder; text of other words encodes as <unk>."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
+    vocab.update({ch: len(SPECIALS) + i for i, ch in enumerate(sorted(alphabet))})
+    first_word = len(vocab)
+    vocab.update({"\u0120" + word_of(i): i for i in range(first_word, vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",

@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF baselines' dtype, also passed to a launched beamline (default float32)",
     )
     base.add_argument(
+        "--device",
+        default="cpu",
+        help="where HF baselines run, also passed to a launched beamline (default cpu)",
+    )
+    base.add_argument(
         "--gguf", type=Path, help="GGUF for llama-cpp (default: --model if .gguf, else bundled)"
     )
     base.add_argument("--llama-threads", type=int, default=2)
@@ -336,7 +341,7 @@ def run_baselines(
         if "hf-static" in wants_hf and args.mode != "concurrency":
             skipped["hf-static"] = "static batching has no open-loop form; use --concurrency"
         print("loading the HF model for the baselines ...", file=sys.stderr)
-        hf = hf_baseline.load_hf_model(args.model, args.dtype)
+        hf = hf_baseline.load_hf_model(args.model, args.dtype, device=args.device)
         hf_baseline.warmup(hf)
         info = {"model_dir": str(hf.path), "dtype": hf.dtype, "load_s": hf.load_s}
         seq = None
@@ -463,7 +468,7 @@ def measure_server(
     if not args.launch_beamline:
         res, model = asyncio.run(_measure(args, args.base_url, workload))
         return res, {"base_url": args.base_url, "model_name": model}
-    extra = ["--dtype", args.dtype, *shlex.split(args.beamline_args)]
+    extra = ["--dtype", args.dtype, "--device", args.device, *shlex.split(args.beamline_args)]
     with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (
         url,
         ready_s,
@@ -482,7 +487,7 @@ def measure_variants(args: argparse.Namespace, workload: Workload) -> list[Syste
     """Each --compare-beamline configuration, launched in turn on the same workload and loads."""
     systems = []
     for label, flags in args.variants:
-        extra = ["--dtype", args.dtype, *shlex.split(flags)]
+        extra = ["--dtype", args.dtype, "--device", args.device, *shlex.split(flags)]
         with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (
             url,
             _,

@@ -43,10 +43,6 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         compile_decode=config.torch_compile,
         cuda_graphs=config.torch_compile and config.cuda_graphs and device.type == "cuda",
     )
-    if config.torch_compile:
-        started = time.monotonic()
-        runner.warm_up()
-        log.info("decode step compiled in %.0f s", time.monotonic() - started)
     tokenizer = AutoTokenizer.from_pretrained(
         model_dir, local_files_only=True, trust_remote_code=False
     )
@@ -62,7 +58,10 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         enable_prefix_caching=config.enable_prefix_caching,
     )
     async_engine = AsyncEngine(engine)
-    async_engine.start()
+    started = time.monotonic()
+    async_engine.start(warm_up=runner.warm_up)  # compiled and recorded where steps will run
+    if config.torch_compile:
+        log.info("decode step compiled in %.0f s", time.monotonic() - started)
     ctx = ServingContext(
         engine=async_engine,
         tokenizer=tokenizer,

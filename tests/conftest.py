@@ -1,14 +1,21 @@
 """Shared fixtures: tiny models built once per session, engines and ASGI apps over them."""
 
+# ruff: noqa: E402  (the test device and Triton's mode are chosen before torch is imported)
+
 from __future__ import annotations
 
 import os
 
-# Triton kernels run on CPU tensors through Triton's interpreter, which must be chosen before
-# anything imports triton (torch and transformers may, while they load).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# BEAMLINE_TEST_DEVICE=cuda runs every engine the tests build (make_engine, the serving fixtures,
+# the parity and kernel tests) on that device, in float32 as on the CPU: references (HF on the CPU)
+# and exact-token assertions stay as they are. CPU is the default.
+TEST_DEVICE_NAME = os.environ.get("BEAMLINE_TEST_DEVICE", "cpu")
+if TEST_DEVICE_NAME == "cpu":
+    # Triton kernels run on CPU tensors through Triton's interpreter, which must be chosen before
+    # anything imports triton (torch and transformers may, while they load).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,6 +33,7 @@ from server.model.runner import ModelRunner
 from tests.tiny_models import build_tiny_model
 
 torch.set_num_threads(2)
+TEST_DEVICE = torch.device(TEST_DEVICE_NAME)
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +61,7 @@ def make_engine(
 ) -> Engine:
     runner = ModelRunner(
         model_dir,
-        device=torch.device("cpu"),
+        device=TEST_DEVICE,
         dtype=torch.float32,
         block_size=block_size,
         num_blocks=num_blocks,

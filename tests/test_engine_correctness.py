@@ -9,7 +9,7 @@ import torch
 
 from decoding import DecodingParams
 from server.engine.request import Sequence
-from tests.conftest import hf_reference, make_engine
+from tests.conftest import TEST_DEVICE, hf_reference, make_engine
 from tests.engine_driver import generate, stub_rows
 
 ARCHS = ["llama", "gemma3", "qwen2", "mistral"]
@@ -101,7 +101,7 @@ def test_fast_weight_formats_run_and_stay_close_to_fp32(
 
     runner = ModelRunner(
         llama_dir,
-        device=torch.device("cpu"),
+        device=TEST_DEVICE,
         dtype=dtype,
         block_size=4,
         num_blocks=128,

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from benchmarks import engine_overhead
-from benchmarks.random_models import SHAPES, build_random_model
+from benchmarks.random_models import SHAPES, build_random_model, word_of
 
 
 def test_engine_overhead_reports_every_kind(tmp_path: Path) -> None:
@@ -32,4 +32,6 @@ def test_random_model_has_the_shape_and_a_tokenizer_for_every_id(tmp_path: Path)
     assert config.hidden_size == SHAPES["tiny"]["hidden_size"]
     tok = AutoTokenizer.from_pretrained(path)
     assert len(tok) == config.vocab_size
-    assert tok.decode([5, 6]) == "w5 w6"
+    words = [word_of(i) for i in (300, 301)]
+    assert tok.decode([300, 301]) == " " + " ".join(words)
+    assert tok(" ".join(words)).input_ids == [300, 301]

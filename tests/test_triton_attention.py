@@ -17,6 +17,7 @@ from server.engine.engine import Engine
 from server.model.attention import PagedStep, _attend
 from server.model.runner import ModelRunner, pick_attention_backend
 from server.model.triton_attention import paged_attention
+from tests.conftest import TEST_DEVICE
 from tests.engine_driver import generate
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
@@ -64,8 +65,9 @@ def test_kernel_matches_the_gather_reference_on_random_steps(dtype: torch.dtype)
         softcap = rng.choice([None, 5.0])
         window = rng.choice([None, 1, 7, 30])
         scale = head_dim**-0.5
-        step = PagedStep.build(tables, starts, num_new, block_size, torch.device("cpu"))
-        got = paged_attention(q, k_pool, v_pool, step, scale=scale, softcap=softcap, window=window)
+        step = PagedStep.build(tables, starts, num_new, block_size, TEST_DEVICE)
+        on = [t.to(TEST_DEVICE) for t in (q, k_pool, v_pool)]
+        got = paged_attention(*on, step, scale=scale, softcap=softcap, window=window).cpu()
         want = reference(
             q, k_pool, v_pool, tables, starts, num_new, block_size, scale, softcap, window
         )
@@ -83,7 +85,7 @@ def test_kernel_matches_the_gather_reference_on_random_steps(dtype: torch.dtype)
 def _engine(model_dir: Path, backend: str, **limits: int) -> Engine:
     runner = ModelRunner(
         model_dir,
-        device=torch.device("cpu"),
+        device=TEST_DEVICE,
         dtype=torch.float32,
         block_size=4,
         num_blocks=192,

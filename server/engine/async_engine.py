@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from decoding import DecodingParams
@@ -47,15 +47,35 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="beamline-engine", daemon=True)
         self.error: BaseException | None = None
+        self._warm_up: Callable[[], None] | None = None
+        self._warmed = threading.Event()
 
-    def start(self) -> None:
+    def start(self, warm_up: Callable[[], None] | None = None) -> None:
+        """Start the loop thread; `warm_up` (compiling, recording CUDA graphs) runs first *in that
+        thread* and `start` returns when it is done (raising what it raised). Inductor keeps its
+        CUDA-graph trees per thread: graphs recorded in any other thread are never replayed by the
+        loop, and a second memory pool would be recorded mid-serving."""
+        self._warm_up = warm_up
+        self._warmed = threading.Event()
         self._thread.start()
+        self._warmed.wait()
+        if self.error is not None:
+            self._thread.join()
+            raise self.error
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
     def _run(self) -> None:
+        try:
+            if self._warm_up is not None:
+                self._warm_up()
+        except BaseException as exc:
+            self.error = exc
+            return
+        finally:
+            self._warmed.set()
         try:
             while not self._stop.is_set():
                 if not self.engine.step():
