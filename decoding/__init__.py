@@ -11,7 +11,7 @@ from decoding.group_beam import GroupBeamSearch
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from decoding.params import DecodingParams, DecodingParamsError, check_vocab, request_width
 from decoding.ranking import rank_samples
-from decoding.sampling import SamplingTensors, choose_tokens, process_logits
+from decoding.sampling import SamplingTensors, choose_tokens, process_logits, sample
 
 
 def make_beam_search(
@@ -39,6 +39,7 @@ __all__ = [
     "choose_tokens",
     "make_beam_search",
     "process_logits",
+    "sample",
     "rank_samples",
     "request_width",
     "step_beam_searches",

@@ -227,11 +227,18 @@ class BeamGroup:
         self.beam_tokens = []
 
 
+def host_pair(values: torch.Tensor, index: torch.Tensor) -> tuple[list, list]:
+    """(values.tolist(), index.tolist()) of a top-k in one device-to-host copy, not two: float64
+    holds both exactly (indices < 2**53)."""
+    both = torch.stack([values.double(), index.double()]).tolist()
+    if index.dim() > 1:
+        return both[0], [[int(i) for i in row] for row in both[1]]
+    return both[0], [int(i) for i in both[1]]
+
+
 def _candidates(values: torch.Tensor, index: torch.Tensor, vocab_size: int) -> Candidates:
-    flat = index.tolist()
-    return Candidates(
-        values.tolist(), [i // vocab_size for i in flat], [i % vocab_size for i in flat]
-    )
+    values_l, flat = host_pair(values, index)
+    return Candidates(values_l, [i // vocab_size for i in flat], [i % vocab_size for i in flat])
 
 
 def best_hypotheses(groups: Sequence[BeamGroup], n: int) -> list[Hypothesis]:

@@ -30,6 +30,7 @@ from decoding.beam_scorer import (
     Candidates,
     Hypothesis,
     best_hypotheses,
+    host_pair,
 )
 from decoding.params import DecodingParams
 
@@ -140,7 +141,7 @@ def step_beam_searches(
         batch = [cast(BeamSearch, searches[i]) for i in members]
         flat = torch.stack([b.group.accumulate(scores[i]) for b, i in zip(batch, members)])
         values, index = flat.topk(min(k, rows * vocab), dim=-1)
-        values_l, index_l = values.tolist(), index.tolist()
+        values_l, index_l = host_pair(values, index)
         for j, (b, i) in enumerate(zip(batch, members)):
             cand = Candidates(
                 values_l[j], [x // vocab for x in index_l[j]], [x % vocab for x in index_l[j]]

@@ -75,8 +75,8 @@ class PairsBuilder:
         values = torch.tensor(self.values, dtype=torch.float32)
         if not self.per_entry:
             values = values.repeat_interleave(counts)
-        keep = tokens < vocab_size  # the API rejects these; never let one crash a shared batch
-        if not bool(keep.all()):
+        if max(self.tokens) >= vocab_size:  # the API rejects these; never crash a shared batch
+            keep = tokens < vocab_size
             tokens, rows, values = tokens[keep], rows[keep], values[keep]
         return Pairs(rows.to(device), tokens.to(device), values.to(device))
 

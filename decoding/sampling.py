@@ -104,10 +104,11 @@ class SamplingTensors:
         )
 
 
-def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, t: SamplingTensors, exact: bool = True) -> torch.Tensor:
     """Processed float32 scores [R, V]; `logits` is left untouched (logprobs read it raw).
 
     A batch with nothing to process (plain greedy / temperature-1 rows) costs no copy at all.
+    `exact` False reads nothing back from the device (see `apply_warpers_`; `sample` uses it).
     """
     scores = logits.float()
     if t.beam_rows is None and t.processors.empty and t.warpers is None and t.constraint is None:
@@ -119,7 +120,7 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.constraint is not None:  # HF: the prefix-constrained mask, after log_softmax for beams
         apply_constraint_mask_(scores, t.constraint)
     apply_processors_(scores, t.processors)
-    return apply_warpers_(scores, t.warpers)
+    return apply_warpers_(scores, t.warpers, exact)
 
 
 def uniform_draws(
@@ -139,20 +140,51 @@ def choose_tokens(
     scores: torch.Tensor,
     t: SamplingTensors,
     generators: Sequence[torch.Generator | None],
+    u: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of processed `scores` [R, V]: argmax, or a draw on sampling rows.
 
-    `generators` is per row (None: global RNG). Beam rows get their argmax, which the engine
-    ignores: their tokens come from the request's BeamSearch. Returns [R] long.
+    `generators` is per row (None: global RNG); `u`: the sampling rows' uniform draws, if already
+    drawn. Beam rows get their argmax, which the engine ignores: their tokens come from the
+    request's BeamSearch. Returns [R] long.
     """
     tokens = scores.argmax(dim=-1)
     if t.sample_rows is None:
         return tokens
     cdf = scores[t.sample_rows].softmax(dim=-1, dtype=torch.float32).cumsum(dim=-1)
-    u = uniform_draws(
-        len(t.sample_row_list), [generators[r] for r in t.sample_row_list], cdf.device
-    )
+    if u is None:
+        u = uniform_draws(
+            len(t.sample_row_list), [generators[r] for r in t.sample_row_list], cdf.device
+        )
     # First index whose cumulative mass exceeds u * total: never a zero-probability token.
     drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
     tokens[t.sample_rows] = drawn.clamp_(max=scores.shape[-1] - 1)  # a fully banned row: no crash
     return tokens
+
+
+def sample(
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    generators: Sequence[torch.Generator | None],
+    need_tokens: bool = True,
+) -> tuple[torch.Tensor, list[int]]:
+    """`process_logits` + `choose_tokens` with one device-to-host copy per step: the tokens, and
+    with them the flag of a warper that could not be sure without reading back (ties at top-k's
+    k-th value; rare). Then the step is processed again exactly, with the same random draws, so
+    the result is always `choose_tokens(process_logits(logits, t), t, generators)`'s."""
+    scores = process_logits(logits, t, exact=False)
+    u = None
+    if t.sample_rows is not None:
+        rows = t.sample_row_list
+        u = uniform_draws(len(rows), [generators[r] for r in rows], logits.device)
+    unsure = t.warpers.unsure if t.warpers is not None else None
+    if not need_tokens and unsure is None:
+        return scores, []
+    tokens = choose_tokens(scores, t, generators, u)
+    if unsure is None:
+        return scores, tokens.tolist()
+    values = torch.cat([tokens, unsure.view(1).to(tokens.dtype)]).tolist()
+    if not values.pop():
+        return scores, values
+    scores = process_logits(logits, t, exact=True)
+    return scores, choose_tokens(scores, t, generators, u).tolist()

@@ -31,6 +31,8 @@ class RowParams:
     values: torch.Tensor  # [M, 1] float, or [M] long for top-k
     min_keep: torch.Tensor  # [M] long
     every_row: bool = False  # all R rows, in order: no gather / scatter of the rows needed
+    largest: float = 0.0  # max(values) and max(min_keep), known on the host: reading them back
+    max_keep: int = 1  # from the device would cost a sync
 
     def apply(self, scores: torch.Tensor, warp: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """scores[rows] = warp(scores[rows]), in place."""
@@ -47,6 +49,9 @@ class WarperTensors:
     top_p: RowParams | None = None
     min_p: RowParams | None = None
     typical_p: RowParams | None = None
+    # Set by a non-exact `apply_warpers_`: True (on the device) when some row kept more than k
+    # entries after top-k (ties at the k-th value) and the sorting warpers saw only k of them.
+    unsure: torch.Tensor | None = None
 
 
 def build_warper_tensors(
@@ -78,6 +83,8 @@ def build_warper_tensors(
             values=tensor if dtype == torch.long else tensor.unsqueeze(1),
             min_keep=torch.tensor([min_keep[r] for r in rows], dtype=torch.long, device=device),
             every_row=len(rows) == len(params),
+            largest=max(values),
+            max_keep=max(min_keep[r] for r in rows),
         )
 
     f32 = torch.float32
@@ -94,8 +101,14 @@ def build_warper_tensors(
     return None if all(v is None for v in vars(t).values()) else t
 
 
-def apply_warpers_(scores: torch.Tensor, t: WarperTensors | None) -> torch.Tensor:
-    """Warp the listed rows of `scores` in place (the caller owns it); others stay bit-identical."""
+def apply_warpers_(
+    scores: torch.Tensor, t: WarperTensors | None, exact: bool = True
+) -> torch.Tensor:
+    """Warp the listed rows of `scores` in place (the caller owns it); others stay bit-identical.
+
+    `exact` False never reads a value back from the device: the sorting warpers after top-k run on
+    the k largest entries of each row (k known on the host), and `t.unsure` says on the device
+    whether ties at the k-th value made a row's support larger (then warp again, exactly)."""
     if t is None:
         return scores
     if (temp := t.temperature) is not None:
@@ -103,26 +116,50 @@ def apply_warpers_(scores: torch.Tensor, t: WarperTensors | None) -> torch.Tenso
             scores.div_(temp.values)
         else:
             scores[temp.rows] = scores[temp.rows] / temp.values
+    bound = None  # entries a row can keep, known on the host (None: unknown)
     if (rp := t.top_k) is not None:
-        rp.apply(scores, lambda s: top_k_warp(s, rp.values, rp.min_keep))
+        kmax = int(rp.largest)
+        rp.apply(scores, lambda s: top_k_warp(s, rp.values, rp.min_keep, kmax))
+        bound = kmax
+    t.unsure = None
     for warp, sorted_rp in (
         (top_p_warp, t.top_p),
         (min_p_warp, t.min_p),
         (typical_warp, t.typical_p),
     ):
-        if sorted_rp is not None:
-            sorted_rp.apply(
-                scores,
-                lambda s, w=warp, p=sorted_rp: on_support(w, s, p.values, p.min_keep),  # type: ignore[misc]
-            )
+        if sorted_rp is None:
+            continue
+        rows = scores if sorted_rp.every_row else scores[sorted_rp.rows]
+        if exact or bound is None:  # exact: the support's size read back (one sync)
+            size = support_size(rows) if exact else None
+        else:
+            size = bound
+            over = ((rows > NEG_INF).sum(dim=-1) > bound).any()
+            t.unsure = over if t.unsure is None else t.unsure | over
+        sorted_rp.apply(
+            scores,
+            lambda s, w=warp, p=sorted_rp, n=size: on_support(
+                w, s, p.values, p.min_keep, n, p.max_keep
+            ),  # type: ignore[misc]
+        )
     return scores
+
+
+def support_size(scores: torch.Tensor) -> int:
+    """The most finite entries any row has (a device-to-host read)."""
+    return int((scores > NEG_INF).sum(dim=-1).max())
 
 
 Warp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def on_support(
-    warp: Warp, scores: torch.Tensor, value: torch.Tensor, min_keep: torch.Tensor
+    warp: Warp,
+    scores: torch.Tensor,
+    value: torch.Tensor,
+    min_keep: torch.Tensor,
+    support: int | None = None,
+    max_keep: int | None = None,
 ) -> torch.Tensor:
     """Run a sorting warper on the finite entries only when they are few (after top-k, say).
 
@@ -131,17 +168,27 @@ def on_support(
     sort leaves open too); sorting 64 values instead of 262k is what makes Gemma's default
     top_k=64 + top_p=0.95 cheap.
     """
-    support = int((scores > NEG_INF).sum(dim=-1).max())
-    if support * 4 > scores.shape[-1] or support == 0:
-        return warp(scores, value, min_keep)
+
+    def run(part: torch.Tensor, keep: torch.Tensor, most: int | None) -> torch.Tensor:
+        if warp is min_p_warp:  # the one warper that needs max(min_keep) as a number
+            return min_p_warp(part, value, keep, most)
+        return warp(part, value, keep)
+
+    if support is None or support * 4 > scores.shape[-1] or support == 0:
+        return run(scores, min_keep, max_keep)
     kept, index = scores.topk(support, dim=-1)  # rows with fewer finite entries pad with -inf
-    warped = warp(kept, value, min_keep.clamp(max=support))
+    most = None if max_keep is None else min(max_keep, support)
+    warped = run(kept, min_keep.clamp(max=support), most)
     return torch.full_like(scores, NEG_INF).scatter_(1, index, warped)
 
 
-def top_k_warp(scores: torch.Tensor, k: torch.Tensor, min_keep: torch.Tensor) -> torch.Tensor:
-    """Drop scores below each row's k-th largest (ties with it stay, as HF). `k` >= min_keep."""
-    kth = scores.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+def top_k_warp(
+    scores: torch.Tensor, k: torch.Tensor, min_keep: torch.Tensor, kmax: int | None = None
+) -> torch.Tensor:
+    """Drop scores below each row's k-th largest (ties with it stay, as HF). `k` >= min_keep;
+    `kmax` = max(k) when the caller knows it (no read back)."""
+    kmax = int(k.max()) if kmax is None else kmax
+    kth = scores.topk(kmax, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
     return scores.masked_fill(scores < kth, NEG_INF)
 
 
@@ -156,11 +203,14 @@ def top_p_warp(scores: torch.Tensor, top_p: torch.Tensor, min_keep: torch.Tensor
     return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)
 
 
-def min_p_warp(scores: torch.Tensor, min_p: torch.Tensor, min_keep: torch.Tensor) -> torch.Tensor:
-    """Drop tokens less likely than min_p times the most likely one (min_p 0 keeps all)."""
+def min_p_warp(
+    scores: torch.Tensor, min_p: torch.Tensor, min_keep: torch.Tensor, kmax: int | None = None
+) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one (min_p 0 keeps all);
+    `kmax` = max(min_keep) when the caller knows it (no read back)."""
     probs = scores.softmax(dim=-1)
     drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
-    kmax = int(min_keep.max())
+    kmax = int(min_keep.max()) if kmax is None else kmax
     top = probs.topk(kmax, dim=-1).indices
     rank = torch.arange(kmax, device=scores.device).unsqueeze(0)
     keep = torch.zeros_like(drop).scatter_(1, top, rank < min_keep.unsqueeze(1))

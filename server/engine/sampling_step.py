@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding import SamplingTensors, choose_tokens, process_logits, token_logprobs
+from decoding import SamplingTensors, sample, token_logprobs
 from decoding.constraints import build_constraint_mask, rows_without_tokens
 from server.engine.request import Sequence, TokenLogprob
 
@@ -51,8 +51,9 @@ def choose(rows: list[Sequence], logits: torch.Tensor, eos_ids: frozenset[int]) 
         logits.device,
         constraint=mask,
     )
-    scores = process_logits(logits, tensors)
-    tokens = choose_tokens(scores, tensors, [s.request.generator for s in rows]).tolist()
+    generators = [s.request.generator for s in rows]
+    beam_only = all(p.is_beam for p in params)  # beams take their tokens from their searches
+    scores, tokens = sample(logits, tensors, generators, need_tokens=not beam_only)
     wanted = tensors.logprob_rows  # non-beam rows whose request asked for logprobs
     logprobs: dict[int, TokenLogprob] = {}
     if wanted:

@@ -1,0 +1,106 @@
+"""At most one device-to-host read per engine step (the chosen tokens), counted.
+
+On a GPU every read of a tensor's values into Python (`.tolist()`, `.item()`, `int()`, `bool()`,
+...) waits for the device to finish all queued work; the engine's host work can only overlap the
+forward when a step reads once. A torch function mode counts those calls during steps; on the CPU
+they cost nothing, but the same code runs on CUDA."""
+
+from __future__ import annotations
+
+import collections
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from decoding import DecodingParams, SamplingTensors, choose_tokens, process_logits, sample
+from tests.conftest import make_engine
+from tests.engine_driver import submit
+
+READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
+READS |= {"nonzero", "unique", "masked_select"}  # output sizes that depend on device values
+
+
+class ReadCounter(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", "")
+        if name in READS:
+            caller = traceback.extract_stack(limit=2)[0]
+            self.reads[f"{name} at {Path(caller.filename).name}:{caller.lineno}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+PARAMS = {
+    "greedy": DecodingParams(max_tokens=40, ignore_eos=True, temperature=0.0),
+    "sampled": DecodingParams(
+        max_tokens=40,
+        ignore_eos=True,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.2,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        seed=1,
+    ),
+    "beam": DecodingParams(max_tokens=40, ignore_eos=True, temperature=0.0, num_beams=4),
+    "n": DecodingParams(max_tokens=40, ignore_eos=True, temperature=0.8, n=3, seed=2),
+}
+
+
+@pytest.mark.parametrize(
+    ("kinds", "reads"),
+    [(["greedy"], 1), (["sampled"], 1), (["beam"], 1), (["n"], 1), (list(PARAMS), 2)],
+)
+def test_a_decode_step_reads_from_the_device_once(
+    llama_dir: Path, kinds: list[str], reads: int
+) -> None:
+    """Once per step; twice when beam searches share the step with other requests (their
+    candidates are read after the other rows' tokens, not yet with them)."""
+    engine = make_engine(llama_dir)
+    for i, kind in enumerate(kinds):
+        submit(engine, str(i), [5, 9, 13, 17 + i], PARAMS[kind])
+    for _ in range(3):  # prefill, first samples, forks
+        engine.step()
+    for _ in range(5):
+        counter = ReadCounter()
+        with counter:
+            assert engine.step()
+        assert sum(counter.reads.values()) <= reads, dict(counter.reads)
+
+
+def test_sample_reads_once_and_still_keeps_top_k_ties_exactly() -> None:
+    """Ties at the k-th value make the support larger than k; the one-read path notices (on the
+    device) and processes that step again exactly, with the same draws: HF's support."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300)
+    logits[:, 10:20] = logits[:, 10:11] + 5.0  # a ten-way tie at the top: top-k 8 keeps all 10
+    params = [DecodingParams(temperature=0.9, top_k=8, top_p=0.99, seed=r) for r in range(6)]
+    t = SamplingTensors.from_rows(params, [[1]] * 6, [[]] * 6, frozenset(), 300, "cpu")
+
+    def generators() -> list[torch.Generator | None]:
+        return [torch.Generator().manual_seed(r) for r in range(6)]
+
+    want = process_logits(logits, t)
+    assert ((want > float("-inf")).sum(dim=-1) >= 10).all()  # more than k: HF keeps ties
+    counter = ReadCounter()
+    with counter:
+        scores, tokens = sample(logits, t, generators())
+    torch.testing.assert_close(scores, want)
+    assert tokens == choose_tokens(want, t, generators()).tolist()
+    # the flag rode along with the tokens; the exact redo read once more, only because of ties
+    assert sum(counter.reads.values()) <= 3, dict(counter.reads)
+    untied = torch.randn(6, 300)
+    t = SamplingTensors.from_rows(params, [[1]] * 6, [[]] * 6, frozenset(), 300, "cpu")
+    counter = ReadCounter()
+    with counter:
+        _, tokens = sample(untied, t, generators())
+    assert sum(counter.reads.values()) == 1, dict(counter.reads)
+    assert tokens == choose_tokens(process_logits(untied, t), t, generators()).tolist()
