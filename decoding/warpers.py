@@ -129,13 +129,14 @@ def apply_warpers_(
     ):
         if sorted_rp is None:
             continue
-        rows = scores if sorted_rp.every_row else scores[sorted_rp.rows]
-        if exact or bound is None:  # exact: the support's size read back (one sync)
-            size = support_size(rows) if exact else None
-        else:
-            size = bound
-            over = ((rows > NEG_INF).sum(dim=-1) > bound).any()
-            t.unsure = over if t.unsure is None else t.unsure | over
+        size = bound  # without top-k and not exact: unknown (None), the whole row is warped
+        if exact or bound is not None:
+            rows = scores if sorted_rp.every_row else scores[sorted_rp.rows]
+            if exact or bound is None:  # the support's size read back (one sync)
+                size = support_size(rows)
+            else:
+                over = ((rows > NEG_INF).sum(dim=-1) > bound).any()
+                t.unsure = over if t.unsure is None else t.unsure | over
         sorted_rp.apply(
             scores,
             lambda s, w=warp, p=sorted_rp, n=size: on_support(

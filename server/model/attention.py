@@ -146,14 +146,10 @@ class PagedStep:
         block_q = 1 if max(num_new) == 1 else 16
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        meta: list[list[int]] = [[], [], [], []]  # tile_seq, tile_token, tile_len, tile_pos
+        tiles: list[tuple[int, int, int, int]] = []  # (seq, first token, length, first pos)
         first = 0
         for i, (start, n) in enumerate(zip(starts, num_new)):
-            for offset in range(0, n, block_q):
-                for field_values, value in zip(
-                    meta, (i, first + offset, min(block_q, n - offset), start + offset)
-                ):
-                    field_values.append(value)
+            tiles += [(i, first + o, min(block_q, n - o), start + o) for o in range(0, n, block_q)]
             first += n
         counts = torch.tensor(num_new)
         rows = torch.repeat_interleave(torch.arange(len(tables)), counts)
@@ -161,11 +157,11 @@ class PagedStep:
         shift = torch.tensor(starts) - packed_first  # position minus packed index, per sequence
         pos = torch.arange(first) + torch.repeat_interleave(shift, counts)
         slots = table[rows, pos // block_size].long() * block_size + pos % block_size
-        tiles = torch.tensor(meta, dtype=torch.int32)
+        meta = torch.tensor(tiles, dtype=torch.int32).T.contiguous()  # [4, tiles]
         if device.type == "cuda":
-            slots, table, tiles = slots.pin_memory(), table.pin_memory(), tiles.pin_memory()
-        slots, table, tiles = (t.to(device, non_blocking=True) for t in (slots, table, tiles))
-        return cls(slots, table, tiles[0], tiles[1], tiles[2], tiles[3], block_q, block_size)
+            slots, table, meta = slots.pin_memory(), table.pin_memory(), meta.pin_memory()
+        slots, table, meta = (t.to(device, non_blocking=True) for t in (slots, table, meta))
+        return cls(slots, table, meta[0], meta[1], meta[2], meta[3], block_q, block_size)
 
 
 class PagedKVCache:

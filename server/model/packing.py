@@ -37,57 +37,6 @@ def pack_step(
     items: Sequence[WorkItem[Row]], block_size: int, device: torch.device, *, kernel: bool = False
 ) -> PackedStep:
     """The step's tokens and positions, and the attention context of the chosen path."""
-    if kernel:
-        return _pack_for_kernel(items, block_size, device)
-    tokens: list[int] = []
-    positions: list[int] = []
-    slot_parts: list[torch.Tensor] = []
-    decode_rows: list[tuple[int, Row]] = []  # (packed index, row) of one-token rows
-    prefill: list[SeqSlice] = []
-    sample_rows: list[int] = []
-    item_starts: list[int] = []
-    for item in items:
-        seq, start = item.seq, item.seq.num_computed
-        stop = start + item.num_new
-        first = len(tokens)
-        item_starts.append(first)
-        tokens.extend(seq.token_ids[start:stop])
-        positions.extend(range(start, stop))
-        if item.num_new == 1:
-            slot_parts.append(slots(seq.block_table, start, stop, block_size))
-            decode_rows.append((first, seq))
-        else:
-            history = slots(seq.block_table, 0, stop, block_size)
-            slot_parts.append(history[start:])
-            prefill.append(SeqSlice(first, item.num_new, stop, history.to(device)))
-        if item.samples:
-            sample_rows.append(len(tokens) - 1)
-    decode = None
-    decode_index = None
-    if decode_rows:
-        rows = [row for _, row in decode_rows]
-        tables = [r.block_table for r in rows]
-        decode = DecodeStep.build(tables, [r.num_computed + 1 for r in rows], block_size, device)
-        decode_index = torch.tensor([i for i, _ in decode_rows], device=device)
-    ctx = StepContext(
-        slot_mapping=torch.cat(slot_parts).to(device),
-        decode=decode,
-        decode_index=decode_index,
-        prefill=prefill,
-        device=device,
-    )
-    return PackedStep(
-        torch.tensor([tokens], device=device),
-        torch.tensor([positions], device=device),
-        ctx,
-        sample_rows,
-        item_starts,
-    )
-
-
-def _pack_for_kernel(
-    items: Sequence[WorkItem[Row]], block_size: int, device: torch.device
-) -> PackedStep:
     tokens: list[int] = []
     positions: list[int] = []
     sample_rows: list[int] = []
@@ -99,17 +48,55 @@ def _pack_for_kernel(
         positions += range(start, start + item.num_new)
         if item.samples:
             sample_rows.append(len(tokens) - 1)
-    ctx = PagedStep.build(
-        [item.seq.block_table for item in items],
-        [item.seq.num_computed for item in items],
-        [item.num_new for item in items],
-        block_size,
-        device,
-    )
+    ctx: StepContext | PagedStep
+    if kernel:
+        ctx = PagedStep.build(
+            [item.seq.block_table for item in items],
+            [item.seq.num_computed for item in items],
+            [item.num_new for item in items],
+            block_size,
+            device,
+        )
+    else:
+        ctx = _gather_context(items, item_starts, block_size, device)
     return PackedStep(
         torch.tensor([tokens], device=device),
         torch.tensor([positions], device=device),
         ctx,
         sample_rows,
         item_starts,
+    )
+
+
+def _gather_context(
+    items: Sequence[WorkItem[Row]], item_starts: list[int], block_size: int, device: torch.device
+) -> StepContext:
+    """One-token rows as one padded `DecodeStep`, chunks one `SeqSlice` each, over their
+    gathered histories."""
+    slot_parts: list[torch.Tensor] = []
+    decode_rows: list[tuple[int, Row]] = []  # (packed index, row) of one-token rows
+    prefill: list[SeqSlice] = []
+    for item, first in zip(items, item_starts):
+        seq, start = item.seq, item.seq.num_computed
+        stop = start + item.num_new
+        if item.num_new == 1:
+            slot_parts.append(slots(seq.block_table, start, stop, block_size))
+            decode_rows.append((first, seq))
+        else:
+            history = slots(seq.block_table, 0, stop, block_size)
+            slot_parts.append(history[start:])
+            prefill.append(SeqSlice(first, item.num_new, stop, history.to(device)))
+    decode = None
+    decode_index = None
+    if decode_rows:
+        rows = [row for _, row in decode_rows]
+        tables = [r.block_table for r in rows]
+        decode = DecodeStep.build(tables, [r.num_computed + 1 for r in rows], block_size, device)
+        decode_index = torch.tensor([i for i, _ in decode_rows], device=device)
+    return StepContext(
+        slot_mapping=torch.cat(slot_parts).to(device),
+        decode=decode,
+        decode_index=decode_index,
+        prefill=prefill,
+        device=device,
     )
