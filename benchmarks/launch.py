@@ -35,6 +35,14 @@ def beamline_command(port: int, model: str | None, extra_args: Sequence[str] = (
     return cmd + list(extra_args)
 
 
+def _error_message(response: httpx.Response) -> str:
+    """The OpenAI-shaped error message of a response, or ''."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
 def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> float:
     """Poll GET /health until 200; return the seconds it took. Fails early if `proc` exits."""
     start = time.monotonic()
@@ -45,8 +53,12 @@ def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None 
                     f"server exited with code {proc.returncode} before becoming healthy"
                 )
             try:
-                if client.get(base_url + "/health").status_code == 200:
+                response = client.get(base_url + "/health")
+                if response.status_code == 200:
                     return time.monotonic() - start
+                message = _error_message(response)
+                if message.startswith("model failed to load"):  # no point waiting any longer
+                    raise LaunchError(message)
             except httpx.HTTPError:
                 pass
             if time.monotonic() - start > timeout_s:

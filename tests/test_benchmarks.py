@@ -552,3 +552,20 @@ def test_structured_workload_against_a_live_beamline(tiny_ctx: ServingContext) -
     assert run["mask_steps"] > 0 and run["mask_ms_per_step"] > 0
     assert 0 < report["compile_s_p50_bucket"] <= report["compile_s_p99_bucket"]
     assert "structured workload: 52 JSON schemas" in format_structured(report)
+
+
+def test_launch_stops_waiting_when_the_model_failed_to_load() -> None:
+    """/health answers 503 while loading and after a failed load alike; the message tells them
+    apart, so a launched server that cannot load fails the run at once, not after its timeout."""
+    import time
+
+    from benchmarks.launch import LaunchError, wait_healthy
+
+    def broken() -> ServingContext:
+        raise ValueError("no tokenizer decoder")
+
+    with live_server(create_app(loader=broken)) as url:
+        start = time.monotonic()
+        with pytest.raises(LaunchError, match="model failed to load: no tokenizer decoder"):
+            wait_healthy(url, timeout_s=60)
+        assert time.monotonic() - start < 10
