@@ -7,6 +7,11 @@ commit, detokenization and emission all count as host time. On CUDA the forward 
 synchronises the device around the forward, so host time is what the device would idle for
 without overlap.
 
+With `--overlap-outputs` the engine renders a step's text (detokenization, stop strings,
+emission) after queuing the next step's forward (engine.py); that part is reported apart as
+`render ms`, and `exposed ms` = host time - render time is what a GPU still waits for (on the CPU
+the forward is synchronous, so nothing is actually hidden there).
+
     python -m benchmarks.engine_overhead                      # 16, 64, 256 rows; three row kinds
     python -m benchmarks.engine_overhead --rows 256 --kinds greedy --steps 50
 """
@@ -62,6 +67,8 @@ class Result:
     forward_ms: float
     host_ms: float
     host_ms_mean: float
+    render_ms: float = 0.0  # with overlap_outputs: the part of host_ms rendered during a forward
+    exposed_ms: float = 0.0  # host_ms - render_ms
 
 
 class ForwardTimer:
@@ -88,8 +95,32 @@ class ForwardTimer:
         return wrapper
 
 
+class RenderTimer:
+    """Accumulates the seconds the engine spends rendering text inside the overlap window."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.seconds = 0.0
+        render = engine._render_outputs
+
+        def timed() -> bool:
+            start = time.perf_counter()
+            try:
+                return render()
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        if engine.overlap_outputs:
+            engine._render_outputs = timed  # type: ignore[method-assign]
+
+
 def measure(
-    model_dir: Path, kind: str, rows: int, steps: int, device: torch.device, warmup: int = 5
+    model_dir: Path,
+    kind: str,
+    rows: int,
+    steps: int,
+    device: torch.device,
+    warmup: int = 5,
+    overlap_outputs: bool = False,
 ) -> Result:
     per_request = BEAMS if kind == "beam" else 1
     max_len = PROMPT_TOKENS + warmup + steps + 8
@@ -108,8 +139,10 @@ def measure(
         max_num_seqs=rows,
         max_num_batched_tokens=max(512, rows * PROMPT_TOKENS),
         max_model_len=max_len + 8,
+        overlap_outputs=overlap_outputs,
     )
     timer = ForwardTimer(runner)
+    render = RenderTimer(engine)
     outputs: deque[object] = deque(maxlen=4096)  # emitted outputs, dropped as a client would
     vocab = runner.vocab_size
     for i in range(rows // per_request):
@@ -121,13 +154,14 @@ def measure(
         engine.step()
     gc.collect()
     gc.freeze()  # as the server does after start-up (bootstrap.py)
-    step_ms, forward_ms = [], []
+    step_ms, forward_ms, render_ms = [], [], []
     for _ in range(steps):
-        timer.seconds = 0.0
+        timer.seconds = render.seconds = 0.0
         start = time.perf_counter()
         engine.step()
         step_ms.append((time.perf_counter() - start) * 1e3)
         forward_ms.append(timer.seconds * 1e3)
+        render_ms.append(render.seconds * 1e3)
     host = [s - f for s, f in zip(step_ms, forward_ms)]
     return Result(
         kind,
@@ -137,6 +171,8 @@ def measure(
         statistics.median(forward_ms),
         statistics.median(host),
         statistics.fmean(host),
+        statistics.median(render_ms),
+        statistics.median(h - r for h, r in zip(host, render_ms)),
     )
 
 
@@ -150,6 +186,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--model", type=Path, help="a model directory (default: a random --shape)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument(
+        "--overlap-outputs", action="store_true", help="render text during the next forward"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -157,13 +196,21 @@ def main(argv: list[str] | None = None) -> list[Result]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or build_random_model(Path(tmp) / args.shape, args.shape)
         results = [
-            measure(model_dir, kind, int(rows), args.steps, device)
+            measure(
+                model_dir, kind, int(rows), args.steps, device, overlap_outputs=args.overlap_outputs
+            )
             for kind in args.kinds.split(",")
             for rows in args.rows.split(",")
         ]
-    print(f"{'kind':>8} {'rows':>5} {'step ms':>8} {'forward ms':>10} {'host ms':>8}")
+    print(
+        f"{'kind':>8} {'rows':>5} {'step ms':>8} {'forward ms':>10} {'host ms':>8} "
+        f"{'render ms':>9} {'exposed ms':>10}"
+    )
     for r in results:
-        print(f"{r.kind:>8} {r.rows:>5} {r.step_ms:>8.2f} {r.forward_ms:>10.2f} {r.host_ms:>8.2f}")
+        print(
+            f"{r.kind:>8} {r.rows:>5} {r.step_ms:>8.2f} {r.forward_ms:>10.2f} {r.host_ms:>8.2f} "
+            f"{r.render_ms:>9.2f} {r.exposed_ms:>10.2f}"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps([asdict(r) for r in results], indent=2))

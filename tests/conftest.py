@@ -58,6 +58,7 @@ def make_engine(
     max_num_seqs: int = 32,
     max_num_batched_tokens: int = 64,
     enable_prefix_caching: bool = True,
+    overlap_outputs: bool = False,
 ) -> Engine:
     runner = ModelRunner(
         model_dir,
@@ -73,6 +74,7 @@ def make_engine(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching,
+        overlap_outputs=overlap_outputs,
     )
 
 

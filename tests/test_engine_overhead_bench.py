@@ -24,6 +24,16 @@ def test_engine_overhead_reports_every_kind(tmp_path: Path) -> None:
     assert [row["kind"] for row in json.loads(out.read_text())] == [r.kind for r in results]
 
 
+def test_engine_overhead_reports_the_text_rendered_during_the_forward() -> None:
+    results = engine_overhead.main(
+        ["--rows", "8", "--kinds", "greedy,beam", "--steps", "3", "--overlap-outputs"]
+    )
+    greedy, beam = results
+    assert 0 < greedy.render_ms < greedy.host_ms  # streamed rows render text in the window
+    assert 0 < greedy.exposed_ms < greedy.host_ms
+    assert beam.render_ms < 0.05  # beams stream nothing per step: nothing to render
+
+
 def test_random_model_has_the_shape_and_a_tokenizer_for_every_id(tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 

@@ -104,3 +104,28 @@ def test_sample_reads_once_and_still_keeps_top_k_ties_exactly() -> None:
         _, tokens = sample(untied, t, generators())
     assert sum(counter.reads.values()) == 1, dict(counter.reads)
     assert tokens == choose_tokens(process_logits(untied, t), t, generators()).tolist()
+
+
+def test_overlapped_text_is_rendered_before_the_step_reads_the_device(llama_dir: Path) -> None:
+    """With overlap_outputs the previous step's text is rendered after this step's forward is
+    queued and before anything waits for it: on a GPU it runs while the device computes."""
+    engine = make_engine(llama_dir, overlap_outputs=True)
+    for i, kind in enumerate(["greedy", "sampled", "n"]):
+        submit(engine, str(i), [5, 9, 13, 17 + i], PARAMS[kind])
+    for _ in range(3):
+        engine.step()
+    counter = ReadCounter()
+    reads_before_render: list[int] = []
+    render = engine.output.render_pending
+
+    def recording():  # type: ignore[no-untyped-def]
+        reads_before_render.append(sum(counter.reads.values()))
+        return render()
+
+    engine.output.render_pending = recording  # type: ignore[method-assign]
+    for _ in range(5):
+        counter.reads.clear()
+        with counter:
+            assert engine.step()
+        assert sum(counter.reads.values()) <= 1, dict(counter.reads)
+    assert reads_before_render == [0] * 5

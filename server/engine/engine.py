@@ -8,27 +8,32 @@ thread-safe; the loop runs in its own thread (async_engine.py).
 A request has one row (greedy, sampling), `n` / `best_of` rows (forked from the prefilled prompt
 at its first sample, sharing its blocks), or `num_beams` rows re-forked from their parents at
 every step (shared blocks, copy-on-write of the last partial one): no step copies a history.
+
+A chosen token is committed at once (the next step needs it); its text is rendered (detokenized,
+searched for stop strings, streamed) either at once or, with `overlap_outputs`, during the next
+step, after its forward was queued: on a GPU the text work then runs while the device computes.
+Outputs are the same; a row a stop string ends has one more token computed, which is dropped.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoding import BeamStep, make_beam_search
+from decoding import BeamStep
 from decoding.constraints import NO_LEGAL_TOKEN
 from server.engine import beams
 from server.engine.block_pool import BlockPool
+from server.engine.inbox import Inbox
 from server.engine.output_processor import OutputProcessor
 from server.engine.prefix_cache import PrefixCache
 from server.engine.prompt_scoring import PromptScoring
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
-from server.engine.sampling_step import choose
+from server.engine.sampling_step import choose, without_retired
 from server.engine.scheduler import Scheduler
 from server.engine.stats import EngineStats, StatsRecorder
 from server.metrics import Metrics
@@ -49,6 +54,7 @@ class Engine:
         max_model_len: int | None = None,
         metrics: Metrics | None = None,
         enable_prefix_caching: bool = True,
+        overlap_outputs: bool = False,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -64,19 +70,17 @@ class Engine:
         self.recorder = StatsRecorder(self.pool, None)
         if metrics is not None:
             self.use_metrics(metrics)
-        self._inbox: queue.SimpleQueue[EngineRequest | str] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        self._inbox = Inbox()
         self._requests: dict[str, EngineRequest] = {}
         self.prompt_scoring = PromptScoring()
+        self.overlap_outputs = overlap_outputs  # see the module's docstring
+        # called once outputs were emitted (after a render, at a step's end): AsyncEngine hands
+        # them to the event loop in one batch then
+        self.flush_outputs: Callable[[], None] = lambda: None
 
     def use_metrics(self, metrics: Metrics) -> None:
         """Record into `metrics` from now on (and publish the KV pool's shape there)."""
-        self.recorder.metrics = metrics
-        metrics.set_cache_config(
-            block_size=self.pool.block_size,
-            num_blocks=self.pool.num_blocks,
-            prefix_caching=self.prefix_cache is not None,
-        )
+        self.recorder.use_metrics(metrics, prefix_caching=self.prefix_cache is not None)
 
     @property
     def stats(self) -> EngineStats:
@@ -84,17 +88,14 @@ class Engine:
 
     # ---- thread-safe entry points ---------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
-        self._inbox.put(request)
-        self._wakeup.set()
+        self._inbox.put_request(request)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(request_id)
-        self._wakeup.set()
+        self._inbox.put_abort(request_id)
 
     def wait_for_work(self, timeout: float) -> None:
-        if not self.scheduler.has_work() and self._inbox.empty():
-            self._wakeup.wait(timeout)
-        self._wakeup.clear()
+        if not self.scheduler.has_work():
+            self._inbox.wait(timeout)
 
     @property
     def num_running(self) -> int:
@@ -111,53 +112,58 @@ class Engine:
 
     # ---- admission and abort --------------------------------------------------------------------
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for item in self._inbox.drain():
             if isinstance(item, EngineRequest):
-                self._admit(item)
+                item.prepare(self.eos_token_ids, self.runner.device, self.max_model_len)
+                self.prompt_scoring.admit(item)
+                self._requests[item.request_id] = item
+                self.scheduler.add(item)
             elif (req := self._requests.get(item)) is not None:
                 self._end_request(req, "abort")
-
-    def _admit(self, req: EngineRequest) -> None:
-        params = req.params
-        req.finishing_ids = params.finishing_ids(self.eos_token_ids)
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        if params.is_beam:
-            room = self.max_model_len - len(req.prompt_ids)
-            req.search = make_beam_search(params, self.eos_token_ids, max_new_tokens=room)
-        self.prompt_scoring.admit(req)
-        first = Sequence(req, list(req.prompt_ids), len(req.prompt_ids))
-        first.constraint, req.constraint = req.constraint, None  # the row owns it from now on
-        req.rows.append(first)
-        self._requests[req.request_id] = req
-        self.scheduler.add(req)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one engine iteration; False when there was nothing to do."""
+        try:
+            return self._step()
+        finally:
+            self.flush_outputs()
+
+    def _step(self) -> bool:
         self._drain_inbox()
         plan = self.scheduler.schedule()
         self.recorder.schedule(len(plan.preempted), plan.cache_queries, plan.cache_hits)
         self._record_state()
         if not plan.items:
-            return False
+            return self._render_outputs()  # the last step's text, if it waits for a next step
         self.recorder.step(plan.items)  # before any output of this step reaches a client
         try:
             plan.items = self.prompt_scoring.plan(plan.items)
             output = self.runner.execute(plan.items, plan.copies)
+            # Overlap: on a GPU the forward above is only queued; the previous step's text is
+            # rendered while it runs (before any read of this step's results).
+            self._render_outputs()
             self.prompt_scoring.record(plan.items, output.scores)
             sampling = self.scheduler.update_from_output(plan)
             if sampling:
                 self._decode(sampling, output.logits)
+            if not self.overlap_outputs:
+                self._render_outputs()
         except Exception as exc:  # a failing step fails its own requests, never the loop
             log.exception("engine step failed")
             message = f"internal error: {type(exc).__name__}: {exc}"
-            for req in {item.seq.request for item in plan.items}:
+            for req in {item.seq.request for item in plan.items} | self.output.drop_pending():
                 self._end_request(req, "error", message)
+        return True
+
+    def _render_outputs(self) -> bool:
+        """Stream the text of the tokens committed since the last call and end the rows a stop
+        string ended; False when there was nothing to render."""
+        if not self.output.has_pending:
+            return False
+        for seq, reason in self.output.render_pending():
+            self._finish_row(seq, reason)
+        self.flush_outputs()  # while the device computes: the clients get this text now
         return True
 
     # ---- choosing tokens ------------------------------------------------------------------------
@@ -168,6 +174,10 @@ class Engine:
             sampling, logits, done = self.prompt_scoring.split_prompt_only(sampling, logits)
             for seq in done:
                 self._finish_row(seq, "length", appended=False)
+            if not sampling:
+                return
+        if self.overlap_outputs:  # rows a stop string ended while this step ran: token dropped
+            sampling, logits = without_retired(sampling, logits)
             if not sampling:
                 return
         rows, index = self.scheduler.fork_first_samples([item.seq for item in sampling])
@@ -211,22 +221,29 @@ class Engine:
                 )
                 self._finish_row(seq, NO_LEGAL_TOKEN, appended=False)
                 return
-        reason = self.output.append(seq, token, logprob)
-        if reason is not None:
-            self._finish_row(seq, reason)
+        if self.output.commit(seq, token, logprob) is not None:
+            self._retire(seq)  # out of the next step at once; its ending is told when rendered
 
     def _end_unconstrainable(self, seq: Sequence) -> None:
         """Nothing was left to choose: a complete output stops, an incomplete one says so."""
         done = seq.constraint is not None and seq.constraint.accepting
         self._finish_row(seq, "stop" if done else NO_LEGAL_TOKEN, appended=False)
 
-    def _finish_row(self, seq: Sequence, reason: str, appended: bool = True) -> None:
-        req = seq.request
-        seq.finish_reason = reason
-        req.rows.remove(seq)
-        req.done_rows.append(seq)
+    def _retire(self, seq: Sequence) -> None:
+        """The row leaves the batch: no further step computes it, its blocks are free."""
+        seq.retired = True
+        seq.request.rows.remove(seq)
+        seq.request.done_rows.append(seq)
         self.scheduler.release_row(seq)
-        if req.rows:
+
+    def _finish_row(self, seq: Sequence, reason: str, appended: bool = True) -> None:
+        """The row's ending is known: tell it (the request's last output once no row of it is
+        running or waiting for its text)."""
+        req = seq.request
+        if not seq.retired:
+            self._retire(seq)
+        seq.finish_reason = reason
+        if req.rows or any(row.finish_reason is None for row in req.done_rows):
             self.output.finish_row(seq, reason, request_done=False, appended=appended)
             return
         self._close_request(req, reason)  # metrics first: never behind what clients see

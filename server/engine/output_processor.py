@@ -1,5 +1,9 @@
 """From chosen tokens to what clients receive: detokenization, stop strings, emission.
 
+A chosen token is first *committed* (`commit`: appended, with the endings a token decides by
+itself) and its text *rendered* later (`render_pending`): with overlapped output processing the
+engine renders a step's text while the device runs the next step (engine.py).
+
 Rows that stream (greedy, sampling, n) carry their text state (`Sequence.text`): an incremental
 detokenizer, how much was sent, how far stop strings were searched. Text that could still turn
 into the start of a stop string is held back. Beams and best_of know their answer only at the
@@ -40,10 +44,13 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # rows' committed tokens whose text is not out yet: (row, the ending the token decided)
+        self._pending: list[tuple[Sequence, str | None]] = []
 
-    def append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> str | None:
-        """Add a chosen token to an independent row and stream its new text; return the finish
-        reason when the row ends here (the caller then calls `finish_row`)."""
+    def commit(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> str | None:
+        """Add a chosen token to an independent row: what the next step needs (the token, its
+        logprob) and the endings a token decides by itself (a finishing id, a length limit).
+        Its text waits for `render_pending`, which may still end the row on a stop string."""
         req, params = seq.request, seq.request.params
         seq.token_ids.append(token)
         if logprob is not None:
@@ -51,21 +58,53 @@ class OutputProcessor:
             if params.logprobs is not None:
                 seq.logprobs.append(logprob)
         if token in req.finishing_ids:
-            return "stop"
+            reason: str | None = "stop"
+        elif seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = "length"
+        else:
+            reason = None
+        self._pending.append((seq, reason))
+        return reason
+
+    def render_pending(self) -> list[tuple[Sequence, str]]:
+        """Detokenize the committed tokens, search their stop strings and stream their text;
+        returns the rows that end here, with their reasons (the caller then calls `finish_row`).
+        Rows of requests that ended meanwhile (aborted) are skipped."""
+        pending, self._pending = self._pending, []
+        ended = []
+        for seq, reason in pending:
+            if not seq.request.finished:
+                final = self._render(seq, reason)
+                if final is not None:
+                    ended.append((seq, final))
+        return ended
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def drop_pending(self) -> set[EngineRequest]:
+        """Forget the committed tokens not rendered yet (a failed step); returns their requests."""
+        pending, self._pending = self._pending, []
+        return {seq.request for seq, _ in pending}
+
+    def _render(self, seq: Sequence, reason: str | None) -> str | None:
+        """A stop string ends the row (as "stop") even where the token ended it by length;
+        a finishing token itself is never text."""
         text = self._text(seq)
-        if text is not None:
-            text.detok.push(token)
-            if params.stop and _hit_stop_string(text, params.stop):
-                return "stop"
-        if seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return "length"
-        if text is not None:
+        if text is None or reason == "stop":
+            return reason
+        req, params, token = seq.request, seq.request.params, seq.token_ids[-1]
+        text.detok.push(token)
+        if params.stop and _hit_stop_string(text, params.stop):
+            return "stop"
+        if reason is None:
             ready = len(text.detok.text) - holdback(params.stop)
             delta = ""
             if ready > text.sent:
                 delta, text.sent = text.detok.text[text.sent : ready], ready
             _emit(req, seq.index, delta, [token], None, seq.num_output, seq.logprobs[-1:] or None)
-        return None
+        return reason
 
     def finish_row(
         self, seq: Sequence, reason: str, request_done: bool, appended: bool = True

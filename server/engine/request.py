@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding import BeamSearch, DecodingParams, GroupBeamSearch
+from decoding import BeamSearch, DecodingParams, GroupBeamSearch, make_beam_search
 from decoding.constraints import TokenConstraint
 from server.engine.detokenizer import IncrementalDetokenizer
 
@@ -78,6 +78,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose keys/values are in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of full blocks
+    retired: bool = False  # out of the batch (its ending may wait for its text: output_processor)
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0  # raw-model log-likelihood of the output (best_of ranks by it)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked for
@@ -127,6 +128,20 @@ class EngineRequest:
     generated_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache when it was first scheduled
     finished: bool = False
+
+    def prepare(self, eos_ids: frozenset[int], device: torch.device, max_model_len: int) -> None:
+        """Admission: the ids that end it, its seeded generator, its beam search, its first row
+        (which takes over the request's constraint state)."""
+        params = self.params
+        self.finishing_ids = params.finishing_ids(eos_ids)
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        if params.is_beam:
+            room = max_model_len - len(self.prompt_ids)
+            self.search = make_beam_search(params, eos_ids, max_new_tokens=room)
+        first = Sequence(self, list(self.prompt_ids), len(self.prompt_ids))
+        first.constraint, self.constraint = self.constraint, None
+        self.rows.append(first)
 
     @property
     def width(self) -> int:

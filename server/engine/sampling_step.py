@@ -16,6 +16,7 @@ import torch
 from decoding import SamplingTensors, sample, token_logprobs
 from decoding.constraints import build_constraint_mask, rows_without_tokens
 from server.engine.request import Sequence, TokenLogprob
+from server.work import WorkItem
 
 
 @dataclass
@@ -64,3 +65,15 @@ def choose(rows: list[Sequence], logits: torch.Tensor, eos_ids: frozenset[int]) 
             logprobs[r] = TokenLogprob(tokens[r], chosen, alternatives)
     no_token = rows_without_tokens(scores, mask)
     return Choices(scores, tokens, logprobs, no_token, mask_seconds)
+
+
+def without_retired(
+    sampling: list[WorkItem[Sequence]], logits: torch.Tensor
+) -> tuple[list[WorkItem[Sequence]], torch.Tensor]:
+    """The items (and their logits) whose rows are still in the batch: with overlapped outputs
+    a stop string may end a row after its step was queued; that step's token is dropped."""
+    kept = [i for i, item in enumerate(sampling) if not item.seq.retired]
+    if len(kept) == len(sampling):
+        return sampling, logits
+    index = torch.tensor(kept, dtype=torch.long, device=logits.device)
+    return [sampling[i] for i in kept], logits.index_select(0, index)

@@ -163,6 +163,8 @@ class Scheduler:
         sampling = [item for item in plan.items if item.samples]
         for item in plan.items:
             seq = item.seq
+            if seq.retired:  # ended by a stop string while the step ran (overlapped outputs)
+                continue
             seq.num_computed += item.num_new
             if self.prefix_cache is not None:
                 self.prefix_cache.register(seq, seq.num_computed - item.num_new)

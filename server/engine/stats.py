@@ -44,6 +44,15 @@ class StatsRecorder:
         self.metrics = metrics
         self.stats = EngineStats()
 
+    def use_metrics(self, metrics: Metrics, *, prefix_caching: bool) -> None:
+        """Record into `metrics` from now on, and publish the KV pool's shape there."""
+        self.metrics = metrics
+        metrics.set_cache_config(
+            block_size=self.pool.block_size,
+            num_blocks=self.pool.num_blocks,
+            prefix_caching=prefix_caching,
+        )
+
     def snapshot(self, running: int, waiting: int, *, prefix_caching: bool) -> dict[str, Number]:
         """Every counter, for GET /v1/engine/stats."""
         s, pool = self.stats, self.pool

@@ -23,7 +23,18 @@ class PackedStep:
     position_ids: torch.Tensor  # [1, T]
     ctx: StepContext | PagedStep
     sample_rows: list[int]  # packed index of the last token of each item that samples, in order
+    sample_index: torch.Tensor  # the same on the device
     item_starts: list[int]  # packed index of each item's first token
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as a long tensor on `device`. On CUDA the copy comes from pinned memory and
+    does not block the host: a plain copy waits for every queued kernel, which would end the
+    overlap of the host's work with the forward (engine.py) before it began."""
+    tensor = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def slots(table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
@@ -60,10 +71,11 @@ def pack_step(
     else:
         ctx = _gather_context(items, item_starts, block_size, device)
     return PackedStep(
-        torch.tensor([tokens], device=device),
-        torch.tensor([positions], device=device),
+        to_device(tokens, device).unsqueeze(0),
+        to_device(positions, device).unsqueeze(0),
         ctx,
         sample_rows,
+        to_device(sample_rows, device),
         item_starts,
     )
 

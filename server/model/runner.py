@@ -323,7 +323,7 @@ class ModelRunner:
         }
         if not packed.sample_rows:
             return StepOutput(hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scores)
-        rows = hidden[torch.tensor(packed.sample_rows, device=self.device)]
+        rows = hidden[packed.sample_index]
         return StepOutput(self._logits(rows), scores)
 
     def _score(
