@@ -11,11 +11,12 @@ import torch
 from transformers import AutoTokenizer
 
 from server.api.serving import ServingContext
-from server.config import ServerConfig
+from server.config import ServerConfig, with_device_defaults
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
 from server.metrics import Metrics
 from server.model.devices import pick_device, pick_dtype
+from server.model.kv_budget import KVBudget
 from server.model.loader import resolve_model_dir, served_model_name
 from server.model.runner import ModelRunner
 
@@ -27,6 +28,7 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     device = pick_device(config.device)
+    config = with_device_defaults(config, device.type)  # a no-op when `beamline serve` did it
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     log.info("torch intra-op threads: %d", torch.get_num_threads())
@@ -35,8 +37,14 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         device=device,
         dtype=pick_dtype(config.dtype, device),
         block_size=config.block_size,
-        kv_cache_bytes=config.kv_cache_memory,
         num_blocks=config.num_kv_blocks,
+        kv_budget=KVBudget(
+            kv_cache_bytes=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        ),
         quantization=config.quantization,
         linear_layout=config.linear_layout,
         attention_backend=config.attention_backend,

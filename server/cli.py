@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 
-from server.config import ConfigError, ServerConfig, load_config
+from server.config import ConfigError, ServerConfig, load_config, with_device_defaults
 from server.logs import setup_logging
 
 # Request limits are set in the config file or by env var only.
@@ -86,11 +86,14 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     from server.model.devices import pick_device, quantization_problem
 
-    problem = quantization_problem(config.quantization, pick_device(config.device))
+    device = pick_device(config.device)
+    problem = quantization_problem(config.quantization, device)
     if problem is not None:
         print(f"beamline: {problem}", file=sys.stderr)  # at once, not after loading the model
         return 2
     setup_logging(config.log_level, config.log_format)
+    # Before the app is built: its admission limits read max_num_seqs too.
+    config = with_device_defaults(config, device.type)
     from server.http_server import run_server  # heavy imports (the model side) only when serving
 
     run_server(config)

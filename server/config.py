@@ -5,6 +5,7 @@ A wrong key or value stops start-up with a message naming it (pydantic, extra ke
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -39,10 +40,15 @@ _UNITS = {
 }
 
 
+log = logging.getLogger(__name__)
+
+
 def parse_size(value: int | str) -> int:
     """'1GiB', '512MiB', '2G' or a plain byte count -> bytes."""
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
+    if not isinstance(value, str):  # a ValueError, so that pydantic reports it with the key
+        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB or a byte count)")
     m = _SIZE.match(value)
     if not m:
         raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB or a byte count)")
@@ -51,6 +57,25 @@ def parse_size(value: int | str) -> int:
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]  # a byte count or a size such as 1GiB
+
+
+def parse_kv_size(value: int | str) -> int | str:
+    """A KV pool size (as `parse_size`, > 0) or "auto" (sized from the device: kv_budget.py)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        size = parse_size(value)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"not a size > 0 or auto: {value!r} (use e.g. auto, 8GiB or a byte count)")
+    return size
+
+
+KVSize = Annotated[int | Literal["auto"], BeforeValidator(parse_kv_size)]
+# On CUDA a step of 256 rows costs little more than one of 64 (the GPU is far from busy), so the
+# batch limits a user leaves unset are raised there; the CPU defaults keep a 2-core step short.
+CUDA_DEFAULTS: dict[str, int] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 
 
 class ServerConfig(BaseModel):
@@ -97,12 +122,28 @@ class ServerConfig(BaseModel):
         "as CUDA graphs",
     )
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
-    kv_cache_memory: ByteSize = Field(1024**3, gt=0, description="KV pool size, e.g. 1GiB")
+    kv_cache_memory: KVSize = Field(
+        "auto",
+        description="KV pool size, e.g. 8GiB, or auto: on CUDA, gpu_memory_utilization x device "
+        "memory less the weights and the peak of a worst-case step (measured at start-up); on "
+        "the CPU 1GiB (host RAM is shared with everything else: set a size to use more)",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="share of the GPU's memory this server may fill (weights, activations, KV "
+        "pool); only used by kv_cache_memory auto on CUDA",
+    )
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV pool size in blocks (overrides kv_cache_memory)"
     )
-    max_num_seqs: int = Field(64, ge=1, description="sequences running at once")
-    max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one engine step")
+    max_num_seqs: int = Field(
+        64, ge=1, description="sequences running at once (256 on CUDA unless set)"
+    )
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="token budget of one engine step (2048 on CUDA unless set)"
+    )
     max_model_len: int | None = Field(None, ge=1, description="context length cap")
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV blocks of prompt prefixes seen before"
@@ -184,6 +225,20 @@ class ServerConfig(BaseModel):
 
 class ConfigError(ValueError):
     pass
+
+
+def with_device_defaults(config: ServerConfig, device_type: str) -> ServerConfig:
+    """`config` with the CUDA batch limits (CUDA_DEFAULTS) for the keys the user did not set (in
+    a file, env var or flag); unchanged on other devices. Applying it twice changes nothing."""
+    if device_type != "cuda":
+        return config
+    unset = {k: v for k, v in CUDA_DEFAULTS.items() if k not in config.model_fields_set}
+    if not unset:
+        return config
+    log.info(
+        "CUDA defaults: %s (set them to override)", ", ".join(f"{k} {v}" for k, v in unset.items())
+    )
+    return config.model_copy(update=unset)  # the keys count as set from now on
 
 
 ENV_PREFIX = "BEAMLINE_"

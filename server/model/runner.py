@@ -13,28 +13,23 @@ import itertools
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import (
-    AttentionInterface,
-    AutoConfig,
-    AutoModelForCausalLM,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from decoding.logprobs import TokenLogprobs, token_logprobs
-from server.model.attention import (
-    ATTENTION_NAME,
-    DecodeStep,
-    PagedKernel,
-    PagedKVCache,
-    PagedStep,
-    StepContext,
-    make_paged_attention,
-)
+from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
 from server.model.cpu_linear import TransposedLinear, transpose_linears
 from server.model.devices import dtype_warning, quantization_problem
+from server.model.kv_budget import (
+    KVBudget,
+    plan_num_blocks,
+    sampler_workload,
+    worst_case_items,
+)
+from server.model.kv_pool import AttentionBinding, KVLayout, paged_kernel
 from server.model.packing import PackedStep, pack_step
 from server.model.quantization import (
     quantize_decoder_w8a8,
@@ -81,15 +76,6 @@ def pick_attention_backend(name: str, device: torch.device, compile_decode: bool
     return name
 
 
-def paged_kernel(backend: str) -> PagedKernel | None:
-    """The kernel that serves `PagedStep` contexts; triton is imported only when chosen."""
-    if backend != "triton":
-        return None
-    from server.model import triton_attention
-
-    return triton_attention.paged_attention
-
-
 def shape_bucket(n: int, minimum: int) -> int:
     """The smallest power of two >= max(n, minimum): few distinct shapes, at most 2x padding."""
     return 1 << (max(n, minimum) - 1).bit_length()
@@ -103,8 +89,8 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         block_size: int,
-        kv_cache_bytes: int | None = None,
         num_blocks: int | None = None,
+        kv_budget: KVBudget | None = None,
         quantization: str = "none",
         linear_layout: str = "auto",
         compile_decode: bool = False,
@@ -153,50 +139,35 @@ class ModelRunner:
         self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
-        cfg = self.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        per_block = PagedKVCache.bytes_per_block(
-            cfg.num_hidden_layers, block_size, kv_heads, head_dim, dtype
+        # The pool is sized once the weights are final (loaded, quantized, transposed).
+        self.kv_budget = kv_budget or KVBudget()
+        self.kv_layout = KVLayout.of(self.config, block_size, dtype)
+        self.attention = AttentionBinding(
+            f"{ATTENTION_NAME}_{next(_runner_ids)}", paged_kernel(self.attention_backend)
         )
-        if num_blocks is None:
-            if kv_cache_bytes is None:
-                raise ValueError("give either num_blocks or kv_cache_bytes")
-            num_blocks = kv_cache_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(f"KV cache budget too small: one block needs {per_block} bytes")
-        self.num_blocks = int(num_blocks)
+        self.num_blocks = plan_num_blocks(
+            self.kv_budget,
+            num_blocks=num_blocks,
+            bytes_per_block=self.kv_layout.bytes_per_block,
+            block_size=block_size,
+            device=device,
+            max_model_len=self.kv_budget.max_model_len or self.max_position_embeddings,
+            profile=self.profile_worst_step,
+        )
         # CUDA graphs replay fixed shapes, so decode steps are padded to bucketed shapes (see
         # _execute_decode); padding rows write their keys into one extra block no sequence owns.
         self.cuda_graphs = cuda_graphs
         self.scratch_block = self.num_blocks if cuda_graphs else None
-        self.kv_cache = PagedKVCache(
-            cfg.num_hidden_layers,
-            self.num_blocks + int(cuda_graphs),
-            block_size,
-            kv_heads,
-            head_dim,
-            dtype,
-            device,
-        )
-        if (
-            cuda_graphs and device.type == "cuda"
-        ):  # the graphs write the pools in place: fixed addresses
-            for pool in self.kv_cache.keys + self.kv_cache.values:
-                torch._dynamo.mark_static_address(pool)
-        # One registered name per runner: the function is bound to this runner's own KV cache, so
-        # several engines in one process (tests, benchmarks) never write into each other's pools.
-        name = f"{ATTENTION_NAME}_{next(_runner_ids)}"
-        kernel = paged_kernel(self.attention_backend)
-        AttentionInterface.register(name, make_paged_attention(self.kv_cache, kernel))
-        self.model.set_attn_implementation(name)
+        static = cuda_graphs and device.type == "cuda"  # the graphs write the pools in place
+        self.kv_cache = self.kv_layout.allocate(self.num_blocks + int(cuda_graphs), device, static)
+        self.attention.bind(self.model, self.kv_cache)
         log.info(
             "model on %s (%s): %d KV blocks of %d tokens (%.1f MiB), %s attention",
             device,
             dtype,
             self.num_blocks,
             block_size,
-            self.num_blocks * per_block / 2**20,
+            self.num_blocks * self.kv_layout.bytes_per_block / 2**20,
             self.attention_backend,
         )
         # Decode-only steps (every sequence adds one token) may run through torch.compile: it
@@ -248,6 +219,15 @@ class ModelRunner:
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    @torch.inference_mode()
+    def profile_worst_step(self) -> int:
+        """Peak activation bytes (0 on the CPU) of the worst step the engine can schedule
+        (kv_budget.worst_case_items: prefill, LM head, sampler) over a pool just big enough."""
+        max_len = self.kv_budget.max_model_len or self.max_position_embeddings
+        items, blocks = worst_case_items(self.kv_budget, max_len, self.block_size)
+        step = lambda: sampler_workload(self._execute_packed(items).logits)  # noqa: E731
+        return self.attention.profile(self.model, self.kv_layout, blocks, self.device, step)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -314,6 +294,11 @@ class ModelRunner:
         kernel = self.attention_backend == "triton"
         if not kernel and items and all(item.num_new == 1 and item.samples for item in items):
             return StepOutput(self._execute_decode(items))
+        return self._execute_packed(items)
+
+    def _execute_packed(self, items: Sequence[WorkItem]) -> StepOutput:
+        """The general path: tokens of every item packed as one row (prefill chunks, mixed)."""
+        kernel = self.attention_backend == "triton"
         packed = pack_step(items, self.block_size, self.device, kernel=kernel)
         hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
         scores = {
