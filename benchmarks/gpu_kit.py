@@ -8,9 +8,10 @@ In order, each step's output under OUT (small files only: they travel back from 
 1. the model-running tests on the device (`BEAMLINE_TEST_DEVICE`): `tests.log`, `tests.xml`;
 2. per random-weight model shape (random_models.py; bfloat16 on CUDA, built on the device, kept
    outside OUT): the engine's host time per decode step (`overhead-SHAPE.json`) and the serving
-   benchmark against HF `generate()` static batching on the same device, eager and, unless
-   `--no-compile`, with `--torch-compile` (CUDA graphs) in the same run (`serve-SHAPE.*`: JSON,
-   PNG plot; `serve-SHAPE.log`);
+   benchmark against HF `generate()` static batching on the same device: beamline as it starts
+   on CUDA (paged kernel, start-up CUDA graphs, overlapped outputs) and, unless `--no-compile`,
+   plain eager (`--no-cuda-graphs --overlap-outputs off`) and `--torch-compile` in the same run
+   (`serve-SHAPE.*`: JSON, PNG plot; `serve-SHAPE.log`);
 3. `kit.json`: what ran, exit codes and seconds, so a partial run still says how far it got.
 GPU time is scarce: the order is the one ../shared/gpu/README.md asks for, and `--budget`
 seconds stop the kit before the next step would start too late.
@@ -30,6 +31,9 @@ from pathlib import Path
 # Tests that run models or kernels (each through tests/conftest.py's device switch).
 KIT_TESTS = (
     "tests/test_triton_attention.py",
+    "tests/test_cuda_graphs.py",
+    "tests/test_overlap_outputs.py",
+    "tests/test_host_syncs.py",
     "tests/test_engine_correctness.py",
     "tests/test_decoding_hf_parity.py",
     "tests/test_strategies.py",
@@ -66,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-tokens", default="32,128")
     ap.add_argument("--rows", default="16,64,256", help="engine_overhead row counts")
     ap.add_argument("--tests", default=",".join(KIT_TESTS), help="comma list; empty: none")
-    ap.add_argument("--no-compile", action="store_true", help="skip the --torch-compile variant")
+    ap.add_argument(
+        "--no-compile", action="store_true", help="skip the eager and --torch-compile variants"
+    )
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole kit")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -110,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--baselines", "hf-static", "--concurrency", args.concurrency]
             cmd += ["--num-requests", str(args.num_requests), "--output-tokens"]
             cmd += [args.output_tokens, "--out-dir", str(args.out), "--tag", f"serve-{shape}"]
-            cmd += ["--label", "beamline-eager", "--beamline-args", "--max-num-seqs 256"]
+            cmd += ["--label", "beamline", "--beamline-args", "--max-num-seqs 256"]
             cmd += ["--launch-timeout", str(int(max(60.0, min(300.0, left() / 3))))]
             if not args.no_compile:
+                eager = "--no-cuda-graphs --overlap-outputs off --max-num-seqs 256"
+                cmd += ["--compare-beamline", f"eager={eager}"]
                 cmd += ["--compare-beamline", "compiled=--torch-compile --max-num-seqs 256"]
             log = args.out / f"serve-{shape}.log"
             record(f"{shape}: serve", *_run(cmd, log, env, left()))

@@ -23,6 +23,13 @@ from server.model.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 
+def overlaps_outputs(setting: str, device_type: str) -> bool:
+    """`overlap_outputs` auto: on CUDA, where the forward is queued and the host is free while the
+    device computes; not on the CPU, where the forward holds the host (and a stop string would
+    cost a dropped token for nothing)."""
+    return setting == "on" or (setting == "auto" and device_type == "cuda")
+
+
 def build_serving_context(config: ServerConfig) -> ServingContext:
     """Load everything and start the engine loop. Never touches the network."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,7 +56,7 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         linear_layout=config.linear_layout,
         attention_backend=config.attention_backend,
         compile_decode=config.torch_compile,
-        cuda_graphs=config.torch_compile and config.cuda_graphs and device.type == "cuda",
+        cuda_graphs=config.cuda_graphs and device.type == "cuda",
     )
     tokenizer = AutoTokenizer.from_pretrained(
         model_dir, local_files_only=True, trust_remote_code=False
@@ -64,6 +71,7 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         max_model_len=config.max_model_len,
         metrics=metrics,
         enable_prefix_caching=config.enable_prefix_caching,
+        overlap_outputs=overlaps_outputs(config.overlap_outputs, device.type),
     )
     async_engine = AsyncEngine(engine)
     started = time.monotonic()

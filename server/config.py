@@ -118,8 +118,14 @@ class ServerConfig(BaseModel):
     )
     cuda_graphs: bool = Field(
         True,
-        description="with torch_compile on CUDA: pad decode steps to bucketed shapes, replay them "
-        "as CUDA graphs",
+        description="on CUDA with the triton attention backend: decode steps replay CUDA graphs "
+        "captured at start-up for 1, 2, 4 ... max_num_seqs rows (their memory is reserved from "
+        "the KV budget)",
+    )
+    overlap_outputs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="render a step's text (detokenize, stop strings, stream) while the device "
+        "runs the next step; auto = on on CUDA, off on the CPU (its forward blocks the host)",
     )
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
     kv_cache_memory: KVSize = Field(

@@ -9,13 +9,21 @@ code path (the order of the work, the dropped tokens) is the same one, tested he
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 
+import httpx
+import pytest
+
 from decoding import DecodingParams
+from server.api.app import create_app
+from server.bootstrap import overlaps_outputs
 from server.engine.engine import Engine
 from server.engine.request import RequestOutput
-from tests.conftest import make_engine
+from tests.conftest import make_engine, serving_context
 from tests.engine_driver import Collected, run_to_completion, submit
+from tests.test_api import sse_events
 
 PROMPTS = [
     "Hello world! How are you",
@@ -141,3 +149,44 @@ def test_an_abort_before_the_text_is_rendered_ends_the_request_once(llama_dir: P
     assert [o.request_done for o in got.outputs].count(True) == 1
     assert got.outputs[-1].finish_reason == "abort"
     assert engine.pool.num_free == engine.pool.num_blocks and not engine.output.has_pending
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "expected"),
+    [("auto", "cuda", True), ("auto", "cpu", False), ("on", "cpu", True), ("off", "cuda", False)],
+)
+def test_overlap_setting(setting: str, device: str, expected: bool) -> None:
+    assert overlaps_outputs(setting, device) is expected
+
+
+async def test_streams_over_http_are_whole_with_overlap_and_batched_delivery(
+    llama_dir: Path,
+) -> None:
+    """Through AsyncEngine (outputs handed to the event loop once per step) with overlap on:
+    streamed text equals the non-streamed text, stop strings included, for concurrent clients."""
+    ctx = serving_context(make_engine(llama_dir, overlap_outputs=True))
+    try:
+        transport = httpx.ASGITransport(app=create_app(ctx=ctx))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            base = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            probe = await client.post("/v1/completions", json={**base, "prompt": PROMPTS[0]})
+            text = probe.json()["choices"][0]["text"]
+            needle = text[len(text) // 2 : len(text) // 2 + 2]
+            reqs = [{**base, "prompt": p} for p in PROMPTS] + [
+                {**base, "prompt": PROMPTS[0], "stop": [needle]}
+            ]
+            plain = await asyncio.gather(*(client.post("/v1/completions", json=r) for r in reqs))
+            streams = await asyncio.gather(
+                *(client.post("/v1/completions", json={**r, "stream": True}) for r in reqs)
+            )
+        for whole, streamed in zip(plain, streams):
+            events = sse_events(streamed.text)
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e)["choices"] for e in events[:-1]]
+            assert "".join(c[0]["text"] for c in chunks if c) == whole.json()["choices"][0]["text"]
+            reasons = [c[0]["finish_reason"] for c in chunks if c and c[0]["finish_reason"]]
+            assert reasons == [whole.json()["choices"][0]["finish_reason"]]
+        assert plain[-1].json()["choices"][0]["finish_reason"] == "stop"
+        assert plain[-1].json()["choices"][0]["text"] == text[: text.index(needle)]
+    finally:
+        ctx.engine.shutdown()

@@ -51,23 +51,9 @@ class DecodeStep:
         lengths: list[int],
         block_size: int,
         device: torch.device,
-        *,
-        rows: int | None = None,
-        width: int | None = None,
-        scratch_block: int | None = None,
     ) -> DecodeStep:
-        """From each row's block table and context length (history + the new token).
-
-        `rows` / `width` pad the batch to a fixed shape (for CUDA graphs, which replay one shape):
-        extra rows write their key/value into `scratch_block`, a block no sequence owns, and attend
-        only to that one slot; extra width is masked like any padding."""
-        width = max(max(lengths), width or 0)
-        if rows is not None and rows > len(tables):
-            if scratch_block is None:
-                raise ValueError("padding rows needs a scratch block to write their keys into")
-            pad = rows - len(tables)
-            tables = list(tables) + [[scratch_block]] * pad
-            lengths = list(lengths) + [1] * pad
+        """From each row's block table and context length (history + the new token)."""
+        width = max(lengths)
         blocks_per_row = -(-width // block_size)
         clipped = [t[:blocks_per_row] for t in tables]
         table = torch.tensor(

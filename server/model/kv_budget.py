@@ -186,6 +186,11 @@ def worst_case_items(
     return items, used
 
 
+def decode_items(rows: int) -> list[WorkItem[ProfileRow]]:
+    """A decode step of `rows` rows, one block each (what the largest CUDA graph runs)."""
+    return [WorkItem(ProfileRow([0], 0, [r]), 1) for r in range(rows)]
+
+
 def sampler_workload(logits: torch.Tensor) -> None:
     """Process and sample `logits` [rows, vocab] as the engine would with the costliest common
     settings (see PROFILE_TOP_K); the global RNG is left as it was."""

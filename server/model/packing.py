@@ -27,6 +27,15 @@ class PackedStep:
     item_starts: list[int]  # packed index of each item's first token
 
 
+def decode_inputs(rows: Sequence[Row]) -> tuple[list[list[int]], list[int], list[int]]:
+    """Block tables, new tokens and their positions of rows that add one token each."""
+    return (
+        [r.block_table for r in rows],
+        [r.token_ids[r.num_computed] for r in rows],
+        [r.num_computed for r in rows],
+    )
+
+
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """A host list as a long tensor on `device`. On CUDA the copy comes from pinned memory and
     does not block the host: a plain copy waits for every queued kernel, which would end the

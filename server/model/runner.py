@@ -22,15 +22,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
 from server.model.cpu_linear import TransposedLinear, transpose_linears
+from server.model.cuda_graphs import DecodeGraphs
 from server.model.devices import dtype_warning, quantization_problem
 from server.model.kv_budget import (
     KVBudget,
+    decode_items,
     plan_num_blocks,
     sampler_workload,
     worst_case_items,
 )
 from server.model.kv_pool import AttentionBinding, KVLayout, paged_kernel
-from server.model.packing import PackedStep, pack_step
+from server.model.packing import PackedStep, decode_inputs, pack_step
 from server.model.quantization import (
     quantize_decoder_w8a8,
     quantize_decoder_weights,
@@ -74,11 +76,6 @@ def pick_attention_backend(name: str, device: torch.device, compile_decode: bool
     elif name != "gather":
         raise ValueError(f"attention_backend must be auto, gather or triton; got {name!r}")
     return name
-
-
-def shape_bucket(n: int, minimum: int) -> int:
-    """The smallest power of two >= max(n, minimum): few distinct shapes, at most 2x padding."""
-    return 1 << (max(n, minimum) - 1).bit_length()
 
 
 class ModelRunner:
@@ -145,6 +142,9 @@ class ModelRunner:
         self.attention = AttentionBinding(
             f"{ATTENTION_NAME}_{next(_runner_ids)}", paged_kernel(self.attention_backend)
         )
+        # CUDA graphs of decode steps need the paged kernel: their shape is then the row count's
+        # alone (cuda_graphs.py). Padding rows write into one extra block no sequence owns.
+        self.cuda_graphs = cuda_graphs and self.attention_backend == "triton"
         self.num_blocks = plan_num_blocks(
             self.kv_budget,
             num_blocks=num_blocks,
@@ -154,13 +154,22 @@ class ModelRunner:
             max_model_len=self.kv_budget.max_model_len or self.max_position_embeddings,
             profile=self.profile_worst_step,
         )
-        # CUDA graphs replay fixed shapes, so decode steps are padded to bucketed shapes (see
-        # _execute_decode); padding rows write their keys into one extra block no sequence owns.
-        self.cuda_graphs = cuda_graphs
-        self.scratch_block = self.num_blocks if cuda_graphs else None
-        static = cuda_graphs and device.type == "cuda"  # the graphs write the pools in place
-        self.kv_cache = self.kv_layout.allocate(self.num_blocks + int(cuda_graphs), device, static)
+        graphs = self.cuda_graphs
+        self.kv_cache = self.kv_layout.allocate(self.num_blocks + int(graphs), device)
         self.attention.bind(self.model, self.kv_cache)
+        max_len = self.kv_budget.max_model_len or self.max_position_embeddings
+        self.graphs = (
+            DecodeGraphs(
+                lambda ids, pos, step: self._logits(self._run_decoder(ids, pos, step)),
+                max_rows=self.kv_budget.max_num_seqs,
+                max_blocks=min(self.num_blocks, -(-max_len // block_size)),
+                block_size=block_size,
+                scratch_block=self.num_blocks,
+                device=device,
+            )
+            if graphs
+            else None
+        )
         log.info(
             "model on %s (%s): %d KV blocks of %d tokens (%.1f MiB), %s attention",
             device,
@@ -170,18 +179,13 @@ class ModelRunner:
             self.num_blocks * self.kv_layout.bytes_per_block / 2**20,
             self.attention_backend,
         )
-        # Decode-only steps (every sequence adds one token) may run through torch.compile: it
-        # fuses the element-wise glue between the matmuls and drops most of the per-op dispatch
-        # cost, which is about half of a one-row step on the CPU. Shapes are dynamic (rows,
-        # context width), so one graph serves every batch size >= 2 and one more a single row.
-        # With cuda_graphs on CUDA, inductor's "reduce-overhead" mode records one CUDA graph per
-        # bucketed shape and replays it (on the CPU only the padding happens; so it is tested).
+        # Decode-only steps (every sequence adds one token) may run through torch.compile (on
+        # the gather path): it fuses the element-wise glue between the matmuls and drops most of
+        # the per-op dispatch cost, about half of a one-row step on the CPU. Shapes are dynamic
+        # (rows, context width), so one graph serves every batch size >= 2 and one a single row.
         self.compile_decode = compile_decode
-        mode = "reduce-overhead" if cuda_graphs and device.type == "cuda" else None
         self._run_decode = (
-            torch.compile(self._run_decoder, dynamic=True, mode=mode)
-            if compile_decode
-            else self._run_decoder
+            torch.compile(self._run_decoder, dynamic=True) if compile_decode else self._run_decoder
         )
 
     def eos_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -227,52 +231,35 @@ class ModelRunner:
         max_len = self.kv_budget.max_model_len or self.max_position_embeddings
         items, blocks = worst_case_items(self.kv_budget, max_len, self.block_size)
         step = lambda: sampler_workload(self._execute_packed(items).logits)  # noqa: E731
-        return self.attention.profile(self.model, self.kv_layout, blocks, self.device, step)
+        peak = self.attention.profile(self.model, self.kv_layout, blocks, self.device, step)
+        if self.cuda_graphs:  # the graphs' memory pool stays while serving: reserve the largest
+            rows = decode_items(self.kv_budget.max_num_seqs)
+            decode = lambda: self._execute_packed(rows)  # noqa: E731
+            peak += self.attention.profile(
+                self.model, self.kv_layout, len(rows), self.device, decode
+            )
+        return peak
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile the decode step before serving: one single-row step and one two-row step, on
-        the slots of block 0 (nothing is cached yet; every block is written before it is read)."""
-        if not self.compile_decode:
-            return
-        for positions in ([1], [1, 2]) * (
-            3 if self.cuda_graphs else 1
-        ):  # CUDA graphs record on a later call
-            self._decode_step([[0]] * len(positions), [0] * len(positions), positions)
-
-    def _execute_decode(self, items: list[WorkItem]) -> torch.Tensor:
-        """A step of one new token per sequence: every row samples, no packing indices needed."""
-        seqs = [item.seq for item in items]
-        return self._decode_step(
-            [s.block_table for s in seqs],
-            [s.token_ids[s.num_computed] for s in seqs],
-            [s.num_computed for s in seqs],
-        )
+        """Before serving, in the thread that will step: capture the decode graphs, or compile
+        the decode step (one single-row step and one two-row step on the slots of block 0:
+        nothing is cached yet, every block is written before it is read)."""
+        if self.graphs is not None:
+            self.graphs.capture()
+        if self.compile_decode:
+            for positions in ([1], [1, 2]):
+                self._decode_step([[0]] * len(positions), [0] * len(positions), positions)
 
     def _decode_step(
         self, tables: list[list[int]], tokens: list[int], positions: list[int]
     ) -> torch.Tensor:
-        """Logits [B, V] of B rows that each add `tokens[b]` at `positions[b]`. With cuda_graphs the
-        batch is padded to a bucketed row count and context width, and the padding cut off again."""
-        n = len(tokens)
+        """Logits [B, V] of B rows that each add `tokens[b]` at `positions[b]` (gather path)."""
         lengths = [p + 1 for p in positions]
-        if self.cuda_graphs:
-            rows = shape_bucket(n, 1)
-            ctx = DecodeStep.build(
-                tables,
-                lengths,
-                self.block_size,
-                self.device,
-                rows=rows,
-                width=shape_bucket(max(lengths), 4 * self.block_size),
-                scratch_block=self.scratch_block,
-            )
-            tokens, positions = tokens + [0] * (rows - n), positions + [0] * (rows - n)
-        else:
-            ctx = DecodeStep.build(tables, lengths, self.block_size, self.device)
+        ctx = DecodeStep.build(tables, lengths, self.block_size, self.device)
         input_ids = torch.tensor([tokens], device=self.device)
         position_ids = torch.tensor([positions], device=self.device)
-        return self._logits(self._decode(input_ids, position_ids, ctx)[:n])
+        return self._logits(self._decode(input_ids, position_ids, ctx))
 
     def _decode(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep
@@ -281,9 +268,6 @@ class ModelRunner:
             # the context width (>= 2) varies every step: never specialize on it
             torch._dynamo.mark_dynamic(ctx.gather, 1)
             torch._dynamo.mark_dynamic(ctx.positions, 1)
-            if self.cuda_graphs and self.device.type == "cuda":
-                # each call is a new step: the replay may reuse the previous step's outputs
-                torch.compiler.cudagraph_mark_step_begin()
         return self._run_decode(input_ids, position_ids, ctx)
 
     @torch.inference_mode()
@@ -291,9 +275,12 @@ class ModelRunner:
         """Run `items` as one forward pass: logits of the items that sample, in order, and the
         logprobs of the positions the items ask to score."""
         self.kv_cache.copy_blocks(copies)
-        kernel = self.attention_backend == "triton"
-        if not kernel and items and all(item.num_new == 1 and item.samples for item in items):
-            return StepOutput(self._execute_decode(items))
+        if items and all(item.num_new == 1 and item.samples for item in items):
+            seqs = [item.seq for item in items]
+            if self.graphs is not None and self.graphs.fits(seqs):
+                return StepOutput(self.graphs.run(*decode_inputs(seqs)))
+            if self.attention_backend != "triton":
+                return StepOutput(self._decode_step(*decode_inputs(seqs)))
         return self._execute_packed(items)
 
     def _execute_packed(self, items: Sequence[WorkItem]) -> StepOutput:

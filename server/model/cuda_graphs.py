@@ -1,0 +1,170 @@
+"""CUDA graphs of decode steps on the paged-kernel path, captured at start-up for known shapes.
+
+When attention reads keys and values through the block tables (triton_attention.py), a step in
+which every row adds one token has a shape fixed by its row count alone: the block tables have a
+fixed width, the kernel's grid is one tile per row. So one graph per row bucket (1, 2, 4, ...,
+max_num_seqs) serves every such step. They are captured once, at start-up, in the engine thread
+(where they replay), largest first so that all of them share one memory pool, which the KV budget
+reserves before it sizes the pool (kv_budget.py). A step copies its inputs into the graphs' static
+buffers (rows beyond the step's write their key and value into a scratch block no sequence owns)
+and replays the smallest graph that holds it; its logits are valid until the next replay.
+
+On the CPU there is nothing to capture: `EagerGraph` stands in, re-running the captured function
+on the same static buffers, so that everything but the capture itself is tested there (with the
+kernel under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+from server.model.attention import PagedStep
+from server.work import Row
+
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, PagedStep], torch.Tensor]
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class EagerGraph:
+    """The CPU's stand-in for a CUDA graph: replaying runs the function again, in place."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+        self.fn = fn
+        self.output = fn()
+
+    def replay(self) -> None:
+        self.output.copy_(self.fn())
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, ... up to and including max_rows: at most 2x padding per step."""
+    sizes = [1]
+    while sizes[-1] < max_rows:
+        sizes.append(min(2 * sizes[-1], max_rows))
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        forward: DecodeForward,
+        *,
+        max_rows: int,
+        max_blocks: int,
+        block_size: int,
+        scratch_block: int,
+        device: torch.device,
+    ) -> None:
+        """`forward(input_ids [1, R], position_ids [1, R], step)` -> logits [R, V]: the decoder
+        and LM head over the static buffers (`step` views them)."""
+        self.forward = forward
+        self.sizes = row_buckets(max_rows)
+        self.block_size = block_size
+        self.scratch_slot = scratch_block * block_size
+        self.device = device
+        rows = self.sizes[-1]
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device)
+        self.tables = torch.full(
+            (rows, max_blocks), scratch_block, dtype=torch.int32, device=device
+        )
+        self.tile_seq = torch.arange(rows, dtype=torch.int32, device=device)
+        self.tile_len = torch.ones(rows, dtype=torch.int32, device=device)
+        self.tile_pos = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[Replayable, torch.Tensor]] = {}
+        self.memory_pool: _POOL_HANDLE | None = None  # shared by every graph
+
+    @property
+    def max_rows(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def max_blocks(self) -> int:
+        return self.tables.shape[1]
+
+    def fits(self, rows: Sequence[Row]) -> bool:
+        """Whether a decode step of `rows` can replay a graph (else it runs eagerly)."""
+        return len(rows) <= self.max_rows and all(
+            len(r.block_table) <= self.max_blocks for r in rows
+        )
+
+    def _step(self, rows: int) -> PagedStep:
+        seq = self.tile_seq[:rows]
+        return PagedStep(
+            self.slots[:rows],
+            self.tables[:rows],
+            seq,
+            seq,  # the tile of row i starts at packed token i
+            self.tile_len[:rows],
+            self.tile_pos[:rows],
+            1,
+            self.block_size,
+        )
+
+    def _bound(self, rows: int) -> Callable[[], torch.Tensor]:
+        return functools.partial(
+            self.forward,
+            self.tokens[:rows].unsqueeze(0),
+            self.positions[:rows].unsqueeze(0),
+            self._step(rows),
+        )
+
+    def capture(self) -> None:
+        """Record every bucket, largest first (later ones reuse the first one's memory)."""
+        for rows in reversed(self.sizes):
+            fn = self._bound(rows)
+            if self.device.type == "cuda":
+                self.graphs[rows] = self._capture_cuda(fn)
+            else:
+                graph = EagerGraph(fn)
+                self.graphs[rows] = (graph, graph.output)
+
+    def _capture_cuda(self, fn: Callable[[], torch.Tensor]) -> tuple[Replayable, torch.Tensor]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture: Triton compiles, caches fill
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.memory_pool is None:
+            self.memory_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            output = fn()
+        return graph, output
+
+    def run(self, tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits [n, V] of n rows that add `tokens[i]` at `positions[i]`, each row's block table
+        covering its position (n <= max_rows; tables no wider than max_blocks)."""
+        n = len(tokens)
+        rows = next(size for size in self.sizes if size >= n)
+        bs = self.block_size
+        width = self.max_blocks
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slots = table[torch.arange(n), pos // bs].long() * bs + pos % bs
+        host = torch.stack([torch.tensor(tokens, dtype=torch.long), pos, slots])
+        if self.device.type == "cuda":  # pinned: the copies do not wait for queued work
+            host, table = host.pin_memory(), table.pin_memory()
+        self.tokens[:n].copy_(host[0], non_blocking=True)
+        self.positions[:n].copy_(host[1], non_blocking=True)
+        self.slots[:n].copy_(host[2], non_blocking=True)
+        self.tile_pos[:n].copy_(host[1], non_blocking=True)
+        self.tables[:n].copy_(table, non_blocking=True)
+        if rows > n:  # the padding rows write into the scratch block and attend to it alone
+            self.slots[n:rows].fill_(self.scratch_slot)
+            self.tile_pos[n:rows].zero_()
+            self.tables[n:rows, 0].fill_(self.scratch_slot // bs)
+        graph, output = self.graphs[rows]
+        graph.replay()
+        return output[:n]
