@@ -39,10 +39,26 @@ class TokenLogprobs:
 
     def row(self, i: int, k: int | None = None) -> tuple[float, list[tuple[int, float]]]:
         """Python values of pair i: (chosen logprob, its first k (token, logprob) alternatives)."""
-        k = self.top_ids.shape[1] if k is None else k
-        ids = self.top_ids[i, :k].tolist()
-        lps = self.top_logprobs[i, :k].tolist()
-        return float(self.chosen[i]), list(zip(ids, lps))
+        chosen, alternatives = self.to_host()[i]
+        return chosen, alternatives[:k]
+
+    def to_host(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Every pair's (chosen logprob, (token, logprob) alternatives) in one device read: on a
+        GPU each read waits for the device, and a 16-beam step has 16+ pairs. Token ids travel
+        as float64, exact for any vocabulary below 2^53."""
+        k = self.top_ids.shape[1]
+        packed = torch.cat(
+            [
+                self.chosen.double().unsqueeze(1),
+                self.top_logprobs.double(),
+                self.top_ids.double(),
+            ],
+            dim=1,
+        ).tolist()
+        return [
+            (values[0], list(zip(map(int, values[1 + k :]), values[1 : 1 + k])))
+            for values in packed
+        ]
 
 
 def token_logprobs(
@@ -56,7 +72,7 @@ def token_logprobs(
     """Logprobs of `token_ids[i]` under row `rows[i]` of `logits` [R, V] (rows default to 0..N-1).
 
     `rows` lets beam search ask for several children of one parent row. `num_top` is the largest K
-    any pair needs; slice per request with `TokenLogprobs.row(i, k)`. `with_ranks` adds each
+    any pair needs; slice per request after `TokenLogprobs.to_host()`. `with_ranks` adds each
     token's rank in its distribution (1 = the likeliest; ties share the better rank).
     """
     device = logits.device

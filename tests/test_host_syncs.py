@@ -53,20 +53,37 @@ PARAMS = {
     "beam": DecodingParams(max_tokens=40, ignore_eos=True, temperature=0.0, num_beams=4),
     "n": DecodingParams(max_tokens=40, ignore_eos=True, temperature=0.8, n=3, seed=2),
 }
+WITH_LOGPROBS = {  # the logprobs of every row (or beam pair) come back in one more read
+    "sampled_logprobs": DecodingParams(
+        max_tokens=40, ignore_eos=True, temperature=0.7, seed=3, logprobs=5
+    ),
+    "beam16_logprobs": DecodingParams(
+        max_tokens=40, ignore_eos=True, temperature=0.0, num_beams=16, logprobs=3
+    ),
+}
 
 
 @pytest.mark.parametrize(
     ("kinds", "reads"),
-    [(["greedy"], 1), (["sampled"], 1), (["beam"], 1), (["n"], 1), (list(PARAMS), 2)],
+    [
+        (["greedy"], 1),
+        (["sampled"], 1),
+        (["beam"], 1),
+        (["n"], 1),
+        (list(PARAMS), 2),
+        (["sampled_logprobs"], 2),
+        (["beam16_logprobs"], 2),
+    ],
 )
 def test_a_decode_step_reads_from_the_device_once(
     llama_dir: Path, kinds: list[str], reads: int
 ) -> None:
     """Once per step; twice when beam searches share the step with other requests (their
-    candidates are read after the other rows' tokens, not yet with them)."""
+    candidates are read after the other rows' tokens, not yet with them) or when rows ask for
+    logprobs (computed from the chosen tokens, read in one go for every row or beam pair)."""
     engine = make_engine(llama_dir)
     for i, kind in enumerate(kinds):
-        submit(engine, str(i), [5, 9, 13, 17 + i], PARAMS[kind])
+        submit(engine, str(i), [5, 9, 13, 17 + i], {**PARAMS, **WITH_LOGPROBS}[kind])
     for _ in range(3):  # prefill, first samples, forks
         engine.step()
     for _ in range(5):

@@ -44,8 +44,7 @@ def record_logprobs(req: EngineRequest, logits: torch.Tensor, beam_step: BeamSte
     step: StepLogprobs = {}
     if pairs:
         lp = token_logprobs(logits, [t for _, t in pairs], rows=[r for r, _ in pairs], num_top=k)
-        for i, (row, token) in enumerate(pairs):
-            chosen, alternatives = lp.row(i, k)
+        for (row, token), (chosen, alternatives) in zip(pairs, lp.to_host()):
             step[(row, token)] = TokenLogprob(token, chosen, alternatives)
     req.beam_logprobs.append(step)
 

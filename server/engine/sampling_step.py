@@ -60,9 +60,8 @@ def choose(rows: list[Sequence], logits: torch.Tensor, eos_ids: frozenset[int]) 
     if wanted:
         top = max(params[r].logprobs or 0 for r in wanted)
         lp = token_logprobs(logits, [tokens[r] for r in wanted], rows=wanted, num_top=top)
-        for i, r in enumerate(wanted):
-            chosen, alternatives = lp.row(i, params[r].logprobs or 0)
-            logprobs[r] = TokenLogprob(tokens[r], chosen, alternatives)
+        for r, (chosen, alternatives) in zip(wanted, lp.to_host()):
+            logprobs[r] = TokenLogprob(tokens[r], chosen, alternatives[: params[r].logprobs or 0])
     no_token = rows_without_tokens(scores, mask)
     return Choices(scores, tokens, logprobs, no_token, mask_seconds)
 
