@@ -125,6 +125,26 @@ def stub_row(i: int) -> Sequence:
     return row
 
 
+def test_a_runner_whose_graphs_were_not_captured_runs_eagerly(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    """Benchmarks and tests build runners without the engine thread's warm-up."""
+    runner = ModelRunner(
+        tiny_model_dirs["llama"],
+        device=TEST_DEVICE,
+        dtype=torch.float32,
+        block_size=4,
+        num_blocks=32,
+        kv_budget=KVBudget(max_num_seqs=MAX_ROWS),
+        attention_backend="triton",
+        cuda_graphs=True,
+    )
+    assert runner.graphs is not None and not runner.graphs.fits([stub_row(0)])
+    engine = Engine(runner, AutoTokenizer.from_pretrained(tiny_model_dirs["llama"]))
+    got = generate(engine, [[5, 6, 7]], DecodingParams(max_tokens=4, temperature=0.0))
+    assert len(got[0].token_ids) == 4
+
+
 def test_graphs_need_the_paged_kernel(tiny_model_dirs: dict[str, Path]) -> None:
     runner = ModelRunner(
         tiny_model_dirs["llama"],

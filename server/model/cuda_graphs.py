@@ -94,9 +94,12 @@ class DecodeGraphs:
         return self.tables.shape[1]
 
     def fits(self, rows: Sequence[Row]) -> bool:
-        """Whether a decode step of `rows` can replay a graph (else it runs eagerly)."""
-        return len(rows) <= self.max_rows and all(
-            len(r.block_table) <= self.max_blocks for r in rows
+        """Whether a decode step of `rows` can replay a graph (else it runs eagerly): the graphs
+        are captured (`capture`, at start-up) and one holds that many rows of that width."""
+        return (
+            bool(self.graphs)
+            and len(rows) <= self.max_rows
+            and all(len(r.block_table) <= self.max_blocks for r in rows)
         )
 
     def _step(self, rows: int) -> PagedStep:
