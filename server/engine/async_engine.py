@@ -34,6 +34,21 @@ def _deliver(deliveries: list[Delivery]) -> None:
         queue.put_nowait(out)
 
 
+def merge_into(batch: list[RequestOutput], out: RequestOutput) -> None:
+    """Add `out` to the outputs not yet handed on: merged into the last one of its choice when
+    they can be one delta (RequestOutput.merged), else appended. The request's last output is
+    merged only into the batch's last: nothing may follow it."""
+    for i in range(len(batch) - 1, -1, -1):
+        if batch[i].index == out.index:
+            if not out.request_done or i == len(batch) - 1:
+                merged = batch[i].merged(out)
+                if merged is not None:
+                    batch[i] = merged
+                    return
+            break
+    batch.append(out)
+
+
 class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
@@ -147,7 +162,8 @@ class AsyncEngine:
         params: DecodingParams,
         constraint: TokenConstraint | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Submit one request and yield its outputs until every choice has finished.
+        """Submit one request and yield its outputs until every choice has finished. Outputs that
+        queued up while the consumer was busy come merged, one delta per choice (`merge_into`).
 
         `constraint`: the state every output starts from (a fresh one per request: the engine
         advances it), or None.
@@ -176,9 +192,12 @@ class AsyncEngine:
         done = False
         try:
             while not done:
-                out = await outputs.get()
-                done = out.request_done
-                yield out
+                batch = [await outputs.get()]
+                while not outputs.empty():  # fell behind the engine: one delta per choice
+                    merge_into(batch, outputs.get_nowait())
+                for out in batch:
+                    done = out.request_done
+                    yield out
         finally:
             if not done:
                 self.engine.abort(request_id)

@@ -55,6 +55,45 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merged(self, later: RequestOutput) -> RequestOutput | None:
+        """This delta and the `later` one of the same choice as one delta, so that a consumer who
+        fell behind sends one chunk (one write) for both; None when they cannot be one (another
+        choice, an error, an ending before `later`, beam or prompt fields, logprobs that do not
+        go one per token)."""
+        if (
+            later.index != self.index
+            or self.finished
+            or self.request_done
+            or self.error is not None
+            or later.error is not None
+            or later.prompt_logprobs is not None
+            or self.beam_score is not None
+            or later.beam_score is not None
+            or not _one_per_token(self)
+            or not _one_per_token(later)
+        ):
+            return None
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = [*(self.logprobs or []), *(later.logprobs or [])]
+        return RequestOutput(
+            request_id=self.request_id,
+            index=self.index,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            finish_reason=later.finish_reason,
+            prompt_tokens=later.prompt_tokens,
+            completion_tokens=later.completion_tokens,
+            cached_tokens=later.cached_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            request_done=later.request_done,
+        )
+
+
+def _one_per_token(out: RequestOutput) -> bool:
+    return out.logprobs is None or len(out.logprobs) == len(out.token_ids)
+
 
 @dataclass(eq=False)
 class SequenceText:
