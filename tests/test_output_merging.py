@@ -1,4 +1,7 @@
-"""A consumer that falls behind the engine gets one merged delta per choice, not a backlog.
+"""What AsyncEngine hands on: merged deltas for a consumer that fell behind, and the engine's
+busy time.
+
+A consumer that falls behind the engine gets one merged delta per choice, not a backlog.
 
 AsyncEngine.generate merges the outputs already queued for a request (as vLLM's output collector
 does): fewer chunks and writes when the event loop lags, the same text, tokens and logprobs.
@@ -88,5 +91,22 @@ async def test_a_consumer_that_falls_behind_gets_the_same_stream_in_fewer_output
             assert len(tokens[1]) == 24
         assert len(lagging) < len(steady)  # the backlog came as merged deltas
         assert prompt_first
+    finally:
+        engine.shutdown()
+
+
+async def test_engine_stats_count_the_seconds_spent_in_steps(llama_dir: Path) -> None:
+    """busy_seconds: wall time inside steps that did work; idle waiting does not count."""
+    engine = AsyncEngine(make_engine(llama_dir))
+    engine.start()
+    try:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        async for _ in engine.generate("r", [5, 9, 13], DecodingParams(max_tokens=8)):
+            pass
+        busy = engine.stats()["busy_seconds"]
+        assert 0 < busy <= loop.time() - start
+        await asyncio.sleep(0.3)  # idle: the loop waits for work, nothing is added
+        assert engine.stats()["busy_seconds"] == busy
     finally:
         engine.shutdown()

@@ -125,7 +125,7 @@ class Engine:
     def step(self) -> bool:
         """Run one engine iteration; False when there was nothing to do."""
         try:
-            return self._step()
+            return self.recorder.timed(self._step)
         finally:
             self.flush_outputs()
 

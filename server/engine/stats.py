@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.engine.block_pool import BlockPool
@@ -22,6 +23,7 @@ log = logging.getLogger("server.engine.engine")  # request-end logs keep their h
 @dataclass
 class EngineStats:
     steps: int = 0
+    busy_seconds: float = 0.0  # wall time inside steps that did work (the rest: idle or waiting)
     tokens_computed: int = 0
     tokens_generated: int = 0
     max_seqs_in_step: int = 0
@@ -63,6 +65,7 @@ class StatsRecorder:
             "kv_blocks_free": pool.num_free,
             "peak_kv_blocks_used": s.peak_blocks_used,
             "steps": s.steps,
+            "busy_seconds": s.busy_seconds,
             "tokens_computed": s.tokens_computed,
             "tokens_generated": s.tokens_generated,
             "max_seqs_in_step": s.max_seqs_in_step,
@@ -88,6 +91,16 @@ class StatsRecorder:
         s.peak_blocks_used = max(s.peak_blocks_used, used)
         if self.metrics is not None and preempted:
             self.metrics.record_preemptions(preempted)
+
+    def timed(self, step: Callable[[], bool]) -> bool:
+        """Run one engine step; the seconds of a step that did work count as busy (over a run,
+        busy / wall time is the share of it the engine computed: what a front end sharing the
+        process leaves it, see benchmarks/frontend_cost.py)."""
+        start = time.perf_counter()
+        busy = step()
+        if busy:
+            self.stats.busy_seconds += time.perf_counter() - start
+        return busy
 
     def state(self, running: int, waiting: int) -> None:
         if self.metrics is not None:
