@@ -243,6 +243,7 @@ class Counters:
     tokens_computed: int
     max_seqs_in_step: int
     iteration_tokens: dict[float, float]  # upper bound -> cumulative count
+    busy_seconds: float = 0.0  # wall time inside engine steps that did work
 
     @classmethod
     def parse(cls, stats: dict[str, Any], metrics_text: str) -> Counters:
@@ -260,6 +261,7 @@ class Counters:
             int(stats["tokens_computed"]),
             int(stats["max_seqs_in_step"]),
             buckets,
+            float(stats.get("busy_seconds", 0.0)),
         )
 
 
@@ -297,6 +299,9 @@ class ModeResult:
     rows_per_step: float  # tokens generated / steps
     tokens_generated: int
     ms_per_step: float  # wall / steps
+    # share of the run's wall time the engine spent inside its steps (/v1/engine/stats
+    # busy_seconds): the rest it waited for work; a step's time includes its waits for the GIL
+    in_steps: float | None = None
     step_ms_mean: float | None = None  # timed steps (in process only)
     step_ms_median: float | None = None
     rows_per_step_exact: float | None = None  # from the rows histogram (in process only)
@@ -353,6 +358,7 @@ def _finish(
         rows_per_step=generated / steps if steps else 0.0,
         tokens_generated=generated,
         ms_per_step=wall_s / steps * 1e3 if steps else 0.0,
+        in_steps=(after.busy_seconds - before.busy_seconds) / wall_s if wall_s else None,
         tokens_computed=after.tokens_computed - before.tokens_computed,
         max_rows_since_start=after.max_seqs_in_step,
         tokens_per_step=tokens_per_step_histogram(before, after),
@@ -794,7 +800,7 @@ def format_table(modes: Sequence[ModeResult]) -> str:
     head = (
         f"{'mode':<24} {'out tok/s':>9} {'steps/s':>8} {'rows/step':>9} {'ms/step':>8} "
         f"{'timed ms':>8} {'alone ms':>8} {'FE share':>8} {'CPU low-high':>12} "
-        f"{'rows ratio':>10} {'in flight':>9}"
+        f"{'rows ratio':>10} {'in flight':>9} {'in steps':>8}"
     )
     lines = [head, "-" * len(head)]
     for m in modes:
@@ -804,7 +810,8 @@ def format_table(modes: Sequence[ModeResult]) -> str:
             f"{_fmt(m.engine_alone_ms_per_step, '>8.2f')} "
             f"{_fmt(m.frontend_share, '>8.0%')} "
             f"{_fmt(m.cpu_share_low, '>5.0%')} - {_fmt(m.cpu_share_high, '<4.0%')} "
-            f"{_fmt(m.rows_ratio, '>10.2f')} {_fmt(m.in_flight_mean, '>9.0f')}"
+            f"{_fmt(m.rows_ratio, '>10.2f')} {_fmt(m.in_flight_mean, '>9.0f')} "
+            f"{_fmt(m.in_steps, '>8.0%')}"
         )
     lines += [
         "",

@@ -163,3 +163,32 @@ def test_cuda_graphs_flag_reaches_the_config(
     argv: list[str], expected: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert served_config(argv, monkeypatch).cuda_graphs is expected
+
+
+def test_graphs_with_overlapped_outputs_give_the_same_streams(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    """The CUDA defaults together (paged kernel, graphs, overlapped outputs), mid-generation
+    stop strings included: every stream equals the plain engine's, every block comes back."""
+    model_dir = tiny_model_dirs["llama"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer(p).input_ids for p in PROMPTS[:4]]
+    plain = Engine(graph_runner(model_dir, cuda_graphs=False), tokenizer)
+    free = generate(plain, prompts, DecodingParams(max_tokens=16, temperature=0.0))
+    stops = [(r.text[len(r.text) // 2 : len(r.text) // 2 + 2],) for r in free]
+    runs = []
+    for graphs, overlap in ((False, False), (True, True)):
+        engine = Engine(
+            graph_runner(model_dir, cuda_graphs=graphs),
+            tokenizer,
+            overlap_outputs=overlap,
+        )
+        got = [
+            generate(engine, [p], DecodingParams(max_tokens=16, temperature=0.0, stop=stop))[0]
+            for p, stop in zip(prompts, stops)
+        ]
+        got += generate(engine, prompts, DecodingParams(max_tokens=12, temperature=0.0))
+        runs.append([r.choices() for r in got])
+        assert engine.pool.num_free == engine.pool.num_blocks
+    assert runs[0] == runs[1]
+    assert sum(choice[2] == "stop" for run in runs[1] for choice in run.values()) >= 2

@@ -33,6 +33,7 @@ def test_frontend_cost_reports_every_mode_with_counters_and_cpu(tmp_path: Path) 
         assert r["ok"] == r["requests"] == 16, r["errors"]
         assert r["output_tokens"] == 16 * 8
         assert r["out_tok_s"] > 0 and r["steps_per_s"] > 0
+        assert 0 < r["in_steps"] <= 1.05  # the engine's own busy_seconds over the run's wall
         assert 1 <= r["rows_per_step"] <= 8
         assert r["steps"] >= 16 * 8 / 8  # at most 8 rows sample per step
         assert sum(r["tokens_per_step"].values()) == r["steps"]
