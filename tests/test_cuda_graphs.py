@@ -34,7 +34,9 @@ def test_row_buckets_double_up_to_the_largest_batch() -> None:
     assert row_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
 
 
-def graph_runner(model_dir: Path, cuda_graphs: bool = True) -> ModelRunner:
+def graph_runner(
+    model_dir: Path, cuda_graphs: bool = True, *, capture: bool = True, backend: str = "triton"
+) -> ModelRunner:
     runner = ModelRunner(
         model_dir,
         device=TEST_DEVICE,
@@ -42,10 +44,11 @@ def graph_runner(model_dir: Path, cuda_graphs: bool = True) -> ModelRunner:
         block_size=4,
         num_blocks=128,
         kv_budget=KVBudget(max_num_seqs=MAX_ROWS, max_model_len=96),
-        attention_backend="triton",
+        attention_backend=backend,
         cuda_graphs=cuda_graphs,
     )
-    runner.warm_up()  # captures (as the engine thread does at start-up)
+    if capture:
+        runner.warm_up()  # captures (as the engine thread does at start-up)
     return runner
 
 
@@ -129,16 +132,7 @@ def test_a_runner_whose_graphs_were_not_captured_runs_eagerly(
     tiny_model_dirs: dict[str, Path],
 ) -> None:
     """Benchmarks and tests build runners without the engine thread's warm-up."""
-    runner = ModelRunner(
-        tiny_model_dirs["llama"],
-        device=TEST_DEVICE,
-        dtype=torch.float32,
-        block_size=4,
-        num_blocks=32,
-        kv_budget=KVBudget(max_num_seqs=MAX_ROWS),
-        attention_backend="triton",
-        cuda_graphs=True,
-    )
+    runner = graph_runner(tiny_model_dirs["llama"], capture=False)
     assert runner.graphs is not None and not runner.graphs.fits([stub_row(0)])
     engine = Engine(runner, AutoTokenizer.from_pretrained(tiny_model_dirs["llama"]))
     got = generate(engine, [[5, 6, 7]], DecodingParams(max_tokens=4, temperature=0.0))
@@ -146,15 +140,7 @@ def test_a_runner_whose_graphs_were_not_captured_runs_eagerly(
 
 
 def test_graphs_need_the_paged_kernel(tiny_model_dirs: dict[str, Path]) -> None:
-    runner = ModelRunner(
-        tiny_model_dirs["llama"],
-        device=TEST_DEVICE,
-        dtype=torch.float32,
-        block_size=4,
-        num_blocks=32,
-        attention_backend="gather",
-        cuda_graphs=True,
-    )
+    runner = graph_runner(tiny_model_dirs["llama"], capture=False, backend="gather")
     assert runner.graphs is None and not runner.cuda_graphs
 
 

@@ -45,12 +45,9 @@ class KVLayout:
             self.num_layers, self.block_size, self.kv_heads, self.head_dim, self.dtype
         )
 
-    def allocate(
-        self, num_blocks: int, device: torch.device, static_addresses: bool = False
-    ) -> PagedKVCache:
-        """A zeroed pool of `num_blocks`; `static_addresses` marks its tensors as fixed for CUDA
-        graphs, which write the pools in place."""
-        cache = PagedKVCache(
+    def allocate(self, num_blocks: int, device: torch.device) -> PagedKVCache:
+        """A zeroed pool of `num_blocks`."""
+        return PagedKVCache(
             self.num_layers,
             num_blocks,
             self.block_size,
@@ -59,10 +56,6 @@ class KVLayout:
             self.dtype,
             device,
         )
-        if static_addresses:
-            for pool in cache.keys + cache.values:
-                torch._dynamo.mark_static_address(pool)
-        return cache
 
 
 def paged_kernel(backend: str) -> PagedKernel | None:

@@ -3,7 +3,8 @@
 The model definition is transformers' own; attention and the KV cache are ours (see attention.py).
 One code path serves CUDA and the CPU, with the device chosen once at start-up; what differs is
 set up here: the default dtype (bfloat16 on CUDA, float32 on the CPU), the CPU-only weight layouts
-and int8 quantizations (cpu_linear.py, quantization.py), and CUDA graphs (padded decode shapes).
+and int8 quantizations (cpu_linear.py, quantization.py), and CUDA graphs of decode steps
+(cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def compiler_available(device: torch.device) -> bool:
 
 
 def pick_attention_backend(name: str, device: torch.device, compile_decode: bool) -> str:
-    """auto: the paged-attention kernel on CUDA (gather with torch_compile, whose CUDA graphs
-    are built around the gather path), the gather path on the CPU (faster there: see README)."""
+    """auto: the paged-attention kernel on CUDA (gather with torch_compile, which inductor
+    traces), the gather path on the CPU (faster there: see README)."""
     available = importlib.util.find_spec("triton") is not None
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if name == "auto":
