@@ -72,6 +72,7 @@ from benchmarks.stats import RequestResult
 from benchmarks.workload import BenchRequest
 from server.cli import _add_serve_args
 from server.config import ServerConfig, load_config
+from server.engine.async_engine import AsyncEngine
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 ENGINE_THREAD = "beamline-engine"  # server/engine/async_engine.py names its loop thread so
@@ -178,6 +179,27 @@ class ThreadCPU:
     cpu_s: float
     run_s: float | None
     runqueue_s: float | None
+
+
+def engine_processes(pid: int) -> list[int]:
+    """The server's engine process (`--engine-process on`, server/process/) if it has one: a
+    spawned child, told apart from multiprocessing's resource tracker by its command line."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                with contextlib.suppress(OSError):
+                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                        found.append(int(child))
+    return found
+
+
+def server_threads(pids: Sequence[int]) -> tuple[dict[int, ThreadSample], float]:
+    """Every thread of the server's processes, and their CPU seconds in all."""
+    samples: dict[int, ThreadSample] = {}
+    for pid in pids:
+        samples.update(thread_samples(pid))
+    return samples, sum(process_cpu_s(pid) for pid in pids)
 
 
 def cpu_split(
@@ -386,6 +408,7 @@ class InProcess:
         from server.bootstrap import build_serving_context
 
         self.ctx = build_serving_context(server_config(model_dir, server_args))
+        assert isinstance(self.ctx.engine, AsyncEngine)  # --engine-process off
         self.ctx.engine.shutdown()
         self.engine = self.ctx.engine.engine
         self.tokenizer = self.ctx.tokenizer
@@ -538,19 +561,32 @@ def launched_server(
                     proc.wait(10)
 
 
-def server_classifier(pid: int, names_path: Path) -> Callable[[int, str], tuple[str, str]]:
-    """Names and groups the server's threads from the wrapper's tid -> Python name file."""
+def server_classifier(
+    pid: int, names_path: Path, engine_pids: Sequence[int] = ()
+) -> Callable[[int, str], tuple[str, str]]:
+    """Names and groups the server's threads from the wrapper's tid -> Python name file; an
+    engine process's main thread is the engine thread, its others count as its workers."""
+    engine_process_tids: set[int] = set()
+    for child in engine_pids:
+        with contextlib.suppress(OSError):
+            engine_process_tids.update(thread_samples(child))
     python: dict[int, str] = {}
     with contextlib.suppress(OSError):
         for line in names_path.read_text(encoding="utf-8").splitlines():
             tid, _, name = line.partition("\t")
             python[int(tid)] = name
     engine_names = {n for n in python.values() if n == ENGINE_THREAD} or {
-        n for n in python.values() if "engine" in n
+        n
+        for n in python.values()
+        if "engine" in n and not engine_pids  # not its reader/writer
     }
     engine_comms = {n[:15] for n in engine_names}
 
     def classify(tid: int, comm: str) -> tuple[str, str]:
+        if tid in engine_pids:
+            return "engine process", ENGINE
+        if tid in engine_process_tids:
+            return f"{comm} (engine process)", WORKERS
         if tid == pid:
             return python.get(tid, comm), EVENT_LOOP
         if tid in python:
@@ -639,28 +675,31 @@ async def http_run(
     poll_s: float = 0.25,
     timeout_s: float = 600.0,
 ) -> ModeResult:
-    """The closed loop against the server, with the engine's counters and both processes' CPU
-    read right before the first request and right after the last response."""
+    """The closed loop against the server, with the engine's counters and the CPU of the server
+    (and its engine process, when it has one) and the client read right before the first request
+    and right after the last response."""
     target = CompletionTarget(base_url, model, request_timeout_s=timeout_s)
     send: Send = stream_completion if stream else complete_unstreamed
     samples: list[tuple[int, int]] = []
     async with make_client(concurrency + 2, timeout_s) as client:
         before = await _get_counters(client, base_url)
-        srv_before, srv_proc_before = thread_samples(server_pid), process_cpu_s(server_pid)
+        children = engine_processes(server_pid)
+        pids = [server_pid, *children]
+        srv_before, srv_proc_before = server_threads(pids)
         client_before, busy_before = process_cpu_s(os.getpid()), system_busy_s()
         start = time.perf_counter()
         poller = asyncio.create_task(_poll(client, base_url, poll_s, samples))
         results = await closed_loop(client, target, requests, concurrency, send)
         wall = time.perf_counter() - start
-        srv_after, srv_proc_after = thread_samples(server_pid), process_cpu_s(server_pid)
+        srv_after, srv_proc_after = server_threads(pids)
         client_after, busy = process_cpu_s(os.getpid()), system_busy_s() - busy_before
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
         after = await _get_counters(client, base_url)
-    out = _finish("http-stream" if stream else "http-nonstream", concurrency, results, wall,
-                  before, after)  # fmt: skip
-    classify = server_classifier(server_pid, names_path)  # every thread has started by now
+    mode = ("http-stream" if stream else "http-nonstream") + ("+process" if children else "")
+    out = _finish(mode, concurrency, results, wall, before, after)
+    classify = server_classifier(server_pid, names_path, children)  # every thread has started
     out.server_cpu = cpu_split(
         srv_before, srv_after, srv_proc_after - srv_proc_before, wall, classify
     )
@@ -876,6 +915,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes", default="stream,nonstream", help="HTTP modes to run: stream, nonstream"
     )
+    p.add_argument(
+        "--engine-process",
+        default="off,on",
+        help="the server's --engine-process settings to run the HTTP modes with, in one run",
+    )
     p.add_argument("--poll-s", type=float, default=0.25, help="engine stats sampling period")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help=f"directory for the JSON (default {DEFAULT_OUT_DIR})")
@@ -917,6 +961,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not set(modes) <= {"stream", "nonstream"}:
         raise SystemExit(f"--modes takes stream and/or nonstream, got {args.modes!r}")
     c = args.concurrency
+    engine_settings = [s.strip() for s in args.engine_process.split(",") if s.strip()]
+    if not engine_settings or not set(engine_settings) <= {"off", "on", "auto"}:
+        raise SystemExit(f"--engine-process takes off, on, auto; got {args.engine_process!r}")
     server_args = ["--max-num-seqs", str(args.max_num_seqs or c), *shlex.split(args.server_args)]
     out_dir: Path = args.out or DEFAULT_OUT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -932,31 +979,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         # (b) over HTTP, then (a) in process (no server running meanwhile).
         http: list[ModeResult] = []
-        log_path = out_dir / "frontend-cost-server.log"
-        with launched_server(model_dir, server_args, log_path) as (base_url, proc, names):
-            model_name = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            for mode in modes:
-                stream = mode == "stream"
-                warm = _warm_up(workload(f"warm-{mode}"), c)
-                asyncio.run(http_warm_up(base_url, model_name, warm, stream))
-                result = asyncio.run(
-                    http_run(
-                        base_url,
-                        model_name,
-                        workload(mode),
-                        c,
-                        stream,
-                        proc.pid,
-                        names,
-                        args.poll_s,
-                    )
-                )
-                http.append(result)
-                print(f"{result.label}: {result.out_tok_s:.0f} tok/s", file=sys.stderr)
+        for setting in engine_settings:  # each a server of its own, one after the other
+            log_path = out_dir / f"frontend-cost-server-{setting}.log"
+            flags = [*server_args, "--engine-process", setting]
+            with launched_server(model_dir, flags, log_path) as (base_url, proc, names):
+                model_name = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+                for mode in modes:
+                    stream = mode == "stream"
+                    warm = _warm_up(workload(f"warm-{mode}"), c)
+                    asyncio.run(http_warm_up(base_url, model_name, warm, stream))
+                    requests = workload(mode)
+                    pid, poll = proc.pid, args.poll_s
+                    run = http_run(base_url, model_name, requests, c, stream, pid, names, poll)
+                    result = asyncio.run(run)
+                    http.append(result)
+                    print(f"{result.label}: {result.out_tok_s:.0f} tok/s", file=sys.stderr)
 
         # (a) in process, at C and at each HTTP mode's rows per step (the comparable width).
         with process_state_restored():
-            inproc = InProcess(model_dir, server_args)
+            inproc = InProcess(model_dir, [*server_args, "--engine-process", "off"])
             torch_threads = torch.get_num_threads()  # as the server set it from the same flags
             inproc.run(_warm_up(workload("warm-inproc"), c), c, record=False)
             inprocess = [
@@ -980,6 +1021,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "shape": args.shape,
             "server_args": server_args,
             "modes": modes,
+            "engine_process": engine_settings,
             "seed": args.seed,
             "torch_threads": torch_threads,
         },

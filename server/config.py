@@ -127,6 +127,12 @@ class ServerConfig(BaseModel):
         description="render a step's text (detokenize, stop strings, stream) while the device "
         "runs the next step; auto = on on CUDA, off on the CPU (its forward blocks the host)",
     )
+    engine_process: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="step the engine in a process of its own (its own GIL: the HTTP front end "
+        "no longer takes the engine's steps) instead of a thread of the server's process; "
+        "auto = on on CUDA, off on the CPU (see README: Performance)",
+    )
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
     kv_cache_memory: KVSize = Field(
         "auto",

@@ -11,6 +11,7 @@ import json
 import re
 import time
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -141,3 +142,12 @@ def sse_payloads(body: str) -> list[str]:
     events = body.split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events), events[:3]
     return [e[len("data: ") :] for e in events]
+
+
+def process_gone(pid: int) -> bool:
+    """No process `pid` any more, or only its zombie (its parent has not reaped it yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")

@@ -28,7 +28,13 @@ def test_frontend_cost_reports_every_mode_with_counters_and_cpu(tmp_path: Path) 
     assert torch.get_num_threads() == threads  # left as found; so is an unfrozen collector
     assert gc.get_freeze_count() == 0 or frozen > 0  # (an earlier test may have frozen it)
     results = {r["mode"]: r for r in report["results"] if r["concurrency"] == 8}
-    assert set(results) == {"in-process", "http-stream", "http-nonstream"}
+    assert set(results) == {
+        "in-process",
+        "http-stream",
+        "http-nonstream",
+        "http-stream+process",  # the same server with --engine-process on, in the same run
+        "http-nonstream+process",
+    }
     for mode, r in results.items():
         assert r["ok"] == r["requests"] == 16, r["errors"]
         assert r["output_tokens"] == 16 * 8
@@ -39,6 +45,8 @@ def test_frontend_cost_reports_every_mode_with_counters_and_cpu(tmp_path: Path) 
         assert sum(r["tokens_per_step"].values()) == r["steps"]
         cpu = r["server_cpu"]
         assert cpu["groups_cpu_s"][ENGINE] > 0, cpu  # the engine thread was found and worked
+        names = {t["name"] for t in cpu["threads"]}
+        assert ("engine process" in names) == mode.endswith("+process"), names
         assert cpu["engine_thread_time"]["on_cpu"] > 0
         assert all("name" in t and t["cpu_s"] >= 0 for t in cpu["threads"])
         if mode == "in-process":

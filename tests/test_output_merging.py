@@ -13,7 +13,8 @@ import asyncio
 from pathlib import Path
 
 from decoding import DecodingParams
-from server.engine.async_engine import AsyncEngine, merge_into
+from server.engine.async_engine import AsyncEngine
+from server.engine.client import merge_into
 from server.engine.request import RequestOutput, TokenLogprob
 from tests.conftest import make_engine
 

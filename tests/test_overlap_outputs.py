@@ -18,9 +18,9 @@ import pytest
 
 from decoding import DecodingParams
 from server.api.app import create_app
-from server.bootstrap import overlaps_outputs
 from server.engine.engine import Engine
 from server.engine.request import RequestOutput
+from server.loading import overlaps_outputs
 from tests.conftest import make_engine, serving_context
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.test_api import sse_events

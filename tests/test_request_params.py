@@ -21,7 +21,7 @@ from server.api.protocol import (
 from server.api.request_params import CONVERTED_FIELDS, PASSED_AS_IS, decoding_params
 from server.api.serving import ServingContext
 from server.config import ServerConfig
-from server.engine.async_engine import KVCapacity
+from server.engine.client import KVCapacity
 
 PARAMS_DEFAULTS = {
     f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

@@ -1,11 +1,14 @@
 """SIGTERM on the real CLI: /ready and new requests answer 503 (`draining`), in-flight requests
-(streaming and not) run to their last token, then the process exits 0.
+(streaming and not) run to their last token, then the process exits 0. With the engine in a
+process of its own too: that process ignores the signals a terminal or systemd sends to every
+process (the drain is the front end's), and ends with the server.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +23,7 @@ import httpx
 import pytest
 
 from tests.live_server import free_port
-from tests.reliability_helpers import assert_openai_error, sse_payloads
+from tests.reliability_helpers import assert_openai_error, process_gone, sse_payloads
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_S = 120
@@ -51,8 +54,8 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     pytest.fail(f"server not healthy after {STARTUP_S}s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture
-def served(llama_dir: Path, tmp_path: Path) -> Iterator[Served]:
+@pytest.fixture(params=["off", "on"], ids=["engine-thread", "engine-process"])
+def served(llama_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
     port = free_port()
     log = tmp_path / "server.log"
     cmd = [
@@ -72,6 +75,8 @@ def served(llama_dir: Path, tmp_path: Path) -> Iterator[Served]:
         str(DRAIN_TIMEOUT_S),
         "--num-threads",
         "1",
+        "--engine-process",
+        request.param,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with log.open("wb") as out:
@@ -114,6 +119,11 @@ def plain_request(url: str) -> int:
     return r.json()["usage"]["completion_tokens"]
 
 
+def engine_process_pid(log: str) -> int | None:
+    match = re.search(r"engine process (\d+) ready", log)
+    return int(match.group(1)) if match else None
+
+
 def wait_in_flight(url: str, count: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while httpx.get(f"{url}/v1/engine/stats", timeout=5).json()["num_requests_running"] < count:
@@ -125,6 +135,8 @@ def wait_in_flight(url: str, count: int, timeout: float = 30) -> None:
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: Served) -> None:
     url = served.url
     assert "torch intra-op threads: 1" in served.log.read_text()  # --num-threads reached torch
+    engine_pid = engine_process_pid(served.log.read_text())
+    assert (engine_pid is not None) == ("--engine-process on" in " ".join(served.proc.args))
     with ThreadPoolExecutor(max_workers=4) as pool:
         started = [threading.Event() for _ in range(3)]
         streams: list[Future[int]] = [pool.submit(streamed_request, url, ev) for ev in started]
@@ -135,6 +147,9 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: 
 
         served.proc.send_signal(signal.SIGTERM)
         t_sigterm = time.monotonic()
+        if engine_pid is not None:  # as Ctrl-C or systemd would: the engine must keep going
+            os.kill(engine_pid, signal.SIGINT)
+            os.kill(engine_pid, signal.SIGTERM)
         time.sleep(0.2)  # the handler runs on the server's event loop
 
         ready = httpx.get(f"{url}/ready", timeout=5)
@@ -165,3 +180,8 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: 
         "the drain waited for its timeout, not the requests"
     )
     assert "Traceback" not in log, log[-3000:]
+    if engine_pid is not None:
+        deadline = time.monotonic() + 10
+        while not process_gone(engine_pid):
+            assert time.monotonic() < deadline, "the engine process outlived the server"
+            time.sleep(0.05)

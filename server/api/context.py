@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from server.config import ServerConfig
-from server.engine.async_engine import AsyncEngine
+from server.engine.client import EngineClient
 from server.grammars import GrammarService
 from server.metrics import Metrics
 
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: PreTrainedTokenizerBase
     model_name: str
     max_model_len: int

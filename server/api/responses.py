@@ -28,8 +28,7 @@ from server.engine.request import RequestOutput, TokenLogprob
 def _engine_outputs(
     ctx: ServingContext, request_id: str, job: Job
 ) -> AsyncGenerator[RequestOutput, None]:
-    constraint = job.grammar.new_constraint() if job.grammar is not None else None
-    return ctx.engine.generate(request_id, job.prompt_ids, job.params, constraint)
+    return ctx.engine.generate(request_id, job.prompt_ids, job.params, job.grammar)
 
 
 async def run_jobs(

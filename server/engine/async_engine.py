@@ -14,10 +14,10 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
 
 from decoding import DecodingParams
-from decoding.constraints import TokenConstraint
+from decoding.grammar import Grammar
+from server.engine.client import EngineDead, KVCapacity, stream_outputs
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput
 from server.logs import request_id_var
@@ -34,42 +34,10 @@ def _deliver(deliveries: list[Delivery]) -> None:
         queue.put_nowait(out)
 
 
-def merge_into(batch: list[RequestOutput], out: RequestOutput) -> None:
-    """Add `out` to the outputs not yet handed on: merged into the last one of its choice when
-    they can be one delta (RequestOutput.merged), else appended. The request's last output is
-    merged only into the batch's last: nothing may follow it."""
-    for i in range(len(batch) - 1, -1, -1):
-        if batch[i].index == out.index:
-            if not out.request_done or i == len(batch) - 1:
-                merged = batch[i].merged(out)
-                if merged is not None:
-                    batch[i] = merged
-                    return
-            break
-    batch.append(out)
-
-
-class EngineDead(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-@dataclass(frozen=True)
-class KVCapacity:
-    """The KV-cache pool's size, for checks the front end makes before it submits a request."""
-
-    num_blocks: int
-    block_size: int
-
-    def blocks_for(self, tokens: int) -> int:
-        """Blocks one row of `tokens` tokens occupies."""
-        return -(-tokens // self.block_size)
-
-    def tokens_per_row(self, width: int) -> int:
-        """Tokens each of `width` rows can hold when the pool is split evenly between them."""
-        return (self.num_blocks // width) * self.block_size
-
-
 class AsyncEngine:
+    """An EngineClient (server/engine/client.py) over an engine stepped in a thread of this
+    process."""
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._stop = threading.Event()
@@ -160,17 +128,10 @@ class AsyncEngine:
         request_id: str,
         prompt_ids: list[int],
         params: DecodingParams,
-        constraint: TokenConstraint | None = None,
+        grammar: Grammar | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Submit one request and yield its outputs until every choice has finished. Outputs that
-        queued up while the consumer was busy come merged, one delta per choice (`merge_into`).
-
-        `constraint`: the state every output starts from (a fresh one per request: the engine
-        advances it), or None.
-
-        Leaving the iteration early (client gone, task cancelled) aborts the request, which frees
-        its KV blocks at the engine's next step.
-        """
+        """Submit one request and yield its outputs until every choice has finished
+        (client.stream_outputs); its rows are constrained by `grammar` when given."""
         if not self.alive:
             raise EngineDead("engine is not running")
         loop = asyncio.get_running_loop()
@@ -186,18 +147,8 @@ class AsyncEngine:
                 params,
                 emit,
                 trace_id=request_id_var.get(),
-                constraint=constraint,
+                constraint=grammar.new_constraint() if grammar is not None else None,
             )
         )
-        done = False
-        try:
-            while not done:
-                batch = [await outputs.get()]
-                while not outputs.empty():  # fell behind the engine: one delta per choice
-                    merge_into(batch, outputs.get_nowait())
-                for out in batch:
-                    done = out.request_done
-                    yield out
-        finally:
-            if not done:
-                self.engine.abort(request_id)
+        async for out in stream_outputs(outputs, lambda: self.engine.abort(request_id)):
+            yield out
