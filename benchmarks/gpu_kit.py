@@ -34,6 +34,7 @@ KIT_TESTS = (
     "tests/test_cuda_graphs.py",
     "tests/test_overlap_outputs.py",
     "tests/test_host_syncs.py",
+    "tests/test_engine_process.py",
     "tests/test_engine_correctness.py",
     "tests/test_decoding_hf_parity.py",
     "tests/test_strategies.py",

@@ -233,6 +233,8 @@ def format_report(doc: dict) -> str:
             + ", ".join(f"{k} {v:.0f} s" for k, v in doc["phase_seconds"].items())
         )
     cpus = doc["machine"].get("cpus") or 1
+    if doc["machine"].get("cpu"):
+        out.append(f"host CPU: {doc['machine']['cpu']} (ratios hold for this host)")
     load = doc["machine"].get("loadavg_1m_at_start")
     if load is not None and load > 0.5 * cpus:
         out.append(

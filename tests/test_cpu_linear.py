@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from server.model.cpu_linear import TransposedLinear, transpose_linears
+from server.model.cpu_linear import (
+    ROW_BUCKETS,
+    MeasuredLayoutLinear,
+    TransposedLinear,
+    row_bucket,
+    transpose_linears,
+)
 from tests.conftest import make_engine
 
 
@@ -36,16 +42,43 @@ def test_transpose_linears_replaces_every_linear_and_nothing_else() -> None:
     torch.testing.assert_close(model(x), expected, atol=1e-6, rtol=1e-6)
 
 
-def test_cpu_runner_runs_transposed_linears_with_an_untied_head(llama_dir: Path) -> None:
+def test_cpu_runner_runs_transposed_linears_and_a_head_in_both_layouts(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
     runner = engine.runner
     linears = [m for m in runner.decoder.modules() if isinstance(m, nn.Linear)]
     assert linears == []
-    assert isinstance(runner.lm_head, TransposedLinear)
-    # Tied model: the embedding keeps its own [vocab, hidden] table, the head holds the transpose.
+    head = runner.lm_head
+    assert isinstance(head, MeasuredLayoutLinear)
+    assert head.transposed_buckets <= set(ROW_BUCKETS)  # timed at start-up
+    # Tied model: the native layout is the embedding table itself, the transpose a copy.
     embedding = runner.model.get_input_embeddings().weight
-    assert runner.lm_head.weight_t.data_ptr() != embedding.data_ptr()
-    torch.testing.assert_close(runner.lm_head.weight_t.t(), embedding)
+    assert head.weight.data_ptr() == embedding.data_ptr()
+    assert head.weight_t.data_ptr() != embedding.data_ptr()
+    torch.testing.assert_close(head.weight_t.t(), embedding)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_measured_layout_linear_uses_the_layout_chosen_for_each_row_count(bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(7, 11, bias=bias)
+    head = MeasuredLayoutLinear(linear, transposed_buckets=frozenset({1, 16}))
+    calls: list[str] = []
+    native, transposed = head._native, head._transposed
+    head._native = lambda x: calls.append("native") or native(x)  # type: ignore[method-assign]
+    head._transposed = lambda x: calls.append("t") or transposed(x)  # type: ignore[method-assign]
+    for rows in (1, 3, 4, 15, 16, 63, 64, 200):
+        x = torch.randn(rows, 7)
+        torch.testing.assert_close(head(x), linear(x), atol=1e-6, rtol=1e-6)
+    # buckets: 1 -> 1, 3 -> 1, 4 -> 4, 15 -> 4, 16 -> 16, 63 -> 16, 64 -> 64, 200 -> 64
+    assert calls == ["t", "t", "native", "native", "t", "t", "native", "native"]
+    assert [row_bucket(r) for r in (1, 2, 4, 5, 16, 17, 64, 1000)] == [1, 1, 4, 4, 16, 16, 64, 64]
+    assert head(torch.randn(2, 5, 7)).shape == (2, 5, 11)
+
+
+def test_measuring_the_layouts_times_each_bucket_and_keeps_clear_wins_only() -> None:
+    head = MeasuredLayoutLinear(nn.Linear(8, 16), transposed_buckets=frozenset())
+    assert head.measure(margin=0.0) == frozenset()  # nothing is 0x the native time
+    assert head.measure(margin=1e9) == frozenset(ROW_BUCKETS)  # everything is under 1e9x
 
 
 def test_native_layout_keeps_nn_linear_and_gives_the_same_tokens(llama_dir: Path) -> None:

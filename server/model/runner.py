@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
-from server.model.cpu_linear import TransposedLinear, transpose_linears
+from server.model.cpu_linear import MeasuredLayoutLinear, TransposedLinear, transpose_linears
 from server.model.cuda_graphs import DecodeGraphs
 from server.model.devices import dtype_warning, quantization_problem
 from server.model.kv_budget import (
@@ -132,8 +132,14 @@ class ModelRunner:
         if linear_layout == "transposed" or (linear_layout == "auto" and device.type == "cpu"):
             transpose_linears(self.decoder)
             if self.lm_head is head and isinstance(head, torch.nn.Linear):
-                # an untied copy: the embedding keeps the [vocab, hidden] table
-                self.lm_head = TransposedLinear.from_linear(head)
+                # an untied copy: the embedding keeps the [vocab, hidden] table; with auto, the
+                # head keeps both layouts and uses the faster one per row count (timed here)
+                self.lm_head = (
+                    TransposedLinear.from_linear(head)
+                    if linear_layout == "transposed"
+                    else MeasuredLayoutLinear(head)
+                )
+                log.info("LM head: %s", self.lm_head.extra_repr())
         self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
