@@ -441,7 +441,8 @@ def cpu_identity() -> str:
     except OSError:
         return platform.processor() or "unknown"
     flags = set(fields.get("flags", "").split())
-    vector = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+    vector = [f for f in wanted if f in flags]
     return (
         f"{fields.get('vendor_id', '?')} {fields.get('model name', '?')} "
         f"(family {fields.get('cpu family', '?')} model {fields.get('model', '?')}; "

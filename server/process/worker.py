@@ -14,6 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import cast
 
+from tqdm import tqdm
+
 from decoding.grammar import Grammar, GrammarCompiler, GrammarSpec
 from server.config import ServerConfig
 from server.engine.engine import Engine
@@ -151,6 +153,9 @@ def run_engine_process(config: ServerConfig, conn: Connection) -> None:
     gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The loading bars' lock: tqdm's default is a multiprocessing semaphore, which this process,
+    # ending without interpreter teardown, would leave to the resource tracker's leak warning.
+    tqdm.set_lock(threading.RLock())
     setup_logging(config.log_level, config.log_format)
     try:
         loaded = load_engine(config)
