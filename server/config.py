@@ -101,7 +101,9 @@ class ServerConfig(BaseModel):
     linear_layout: Literal["auto", "transposed", "native"] = Field(
         "auto",
         description="linear weights stored [in, out] (transposed: faster small-batch GEMMs on "
-        "CPU) or as loaded (native); auto = transposed on CPU, native on CUDA",
+        "some CPUs) or as loaded (native); auto = on the CPU the decoder transposed and the LM "
+        "head in both layouts, each call using the one timed faster at start-up for its row "
+        "count; native on CUDA",
     )
     attention_backend: Literal["auto", "gather", "triton"] = Field(
         "auto",
