@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from benchmarks import hf_baseline, llamacpp_baseline
+from benchmarks import hf_baseline, llama_server, llamacpp_baseline
 from benchmarks.beam_case import engine_stats, format_beam_case, run_beam_case
 from benchmarks.client import (
     CompletionTarget,
@@ -49,7 +49,7 @@ from benchmarks.workload import (
 from server.model.devices import DTYPES
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
-ALL_BASELINES = ("hf-static", "hf-sequential", "llama-cpp")
+ALL_BASELINES = ("hf-static", "hf-sequential", "llama-cpp", "llama-server")
 
 # Mode presets; any flag given explicitly wins. Short mode fits CI: < 2 minutes with model load.
 PRESETS = {
@@ -407,6 +407,22 @@ def run_baselines(
                 )
             )
             phases["llama_cpp"] = time.perf_counter() - t0
+    if "llama-server" in args.baseline_names:
+        t0 = time.perf_counter()
+        gguf = args.gguf or llamacpp_baseline.default_gguf(args.model)
+        if gguf is None:
+            skipped["llama-server"] = "no GGUF file for --model; pass --gguf"
+        elif args.mode != "concurrency":
+            skipped["llama-server"] = "one slot per client needs --concurrency levels"
+        else:
+            log_path = server_log_path(args).with_name("llama-server.log")
+            levels = [int(c) for c in args.levels]
+            systems.append(
+                llama_server.measure(
+                    gguf, reqs, levels, log_path, args.ignore_eos, args.llama_threads
+                )
+            )
+            phases["llama_server"] = time.perf_counter() - t0
     return systems, skipped
 
 
