@@ -178,7 +178,10 @@ async def cut_stream(server: Server, path: str, body: dict[str, Any], cut: Cut) 
         if cut.kind == "after_headers":
             await read_events(reader, 0, timeout=30)
         elif cut.kind == "after_events":
-            await read_events(reader, cut.events, timeout=30)
+            try:
+                await read_events(reader, cut.events, timeout=30)
+            except asyncio.IncompleteReadError:  # it ended first (an unseeded stop string hit)
+                return "ended"
         else:
             await asyncio.sleep(cut.delay)
         return cut.kind
