@@ -163,7 +163,8 @@ class Engine:
             return False
         for seq, reason in self.output.render_pending():
             self._finish_row(seq, reason)
-        self.flush_outputs()  # while the device computes: the clients get this text now
+        if self.overlap_outputs:  # while the device computes: the clients get this text now
+            self.flush_outputs()  # (else step() flushes once the step's time is counted)
         return True
 
     # ---- choosing tokens ------------------------------------------------------------------------
