@@ -98,12 +98,14 @@ class ServerConfig(BaseModel):
         "layers; w8a8: int8 LM head, decoder layers as int8 x int8 GEMMs (per-token activation "
         "scales)",
     )
-    linear_layout: Literal["auto", "transposed", "native"] = Field(
+    linear_layout: Literal["auto", "onednn", "measured", "transposed", "native"] = Field(
         "auto",
-        description="linear weights stored [in, out] (transposed: faster small-batch GEMMs on "
-        "some CPUs) or as loaded (native); auto = on the CPU the decoder transposed and the LM "
-        "head in both layouts, each call using the one timed faster at start-up for its row "
-        "count; native on CUDA",
+        description="CPU linear layers: onednn (weights prepacked for oneDNN: one pass over the "
+        "weight per call at any batch size), measured (the decoder transposed, the LM head in "
+        "both layouts, each call using the one timed faster at start-up for its row count), "
+        "transposed (weights stored [in, out]) or native (as loaded); auto = onednn where it is "
+        "timed faster than both plain layouts at start-up (not with torch_compile), else "
+        "measured; native on CUDA",
     )
     attention_backend: Literal["auto", "gather", "triton"] = Field(
         "auto",

@@ -1,4 +1,5 @@
-"""The CPU weight layout: transposed linears compute what nn.Linear does; the runner uses them."""
+"""The CPU weight layouts (oneDNN-packed, transposed, measured per row count) compute what
+nn.Linear does; the runner takes the one asked for, and under auto the one timed faster."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import pytest
 import torch
 from torch import nn
 
+from server.model import cpu_linear
 from server.model.cpu_linear import (
     ROW_BUCKETS,
     MeasuredLayoutLinear,
+    OneDNNLinear,
     TransposedLinear,
+    apply_linear_layout,
+    onednn_is_faster,
     row_bucket,
     transpose_linears,
 )
+from server.model.runner import ModelRunner
 from tests.conftest import make_engine
 
 
@@ -42,9 +48,20 @@ def test_transpose_linears_replaces_every_linear_and_nothing_else() -> None:
     torch.testing.assert_close(model(x), expected, atol=1e-6, rtol=1e-6)
 
 
+def runner_with(llama_dir: Path, layout: str, **kwargs: object) -> ModelRunner:
+    return ModelRunner(
+        llama_dir,
+        device=torch.device("cpu"),
+        dtype=kwargs.pop("dtype", torch.float32),  # type: ignore[arg-type]
+        block_size=4,
+        num_blocks=64,
+        linear_layout=layout,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
 def test_cpu_runner_runs_transposed_linears_and_a_head_in_both_layouts(llama_dir: Path) -> None:
-    engine = make_engine(llama_dir)
-    runner = engine.runner
+    runner = runner_with(llama_dir, "measured")
     linears = [m for m in runner.decoder.modules() if isinstance(m, nn.Linear)]
     assert linears == []
     head = runner.lm_head
@@ -113,3 +130,67 @@ def test_native_layout_keeps_nn_linear_and_gives_the_same_tokens(llama_dir: Path
             num_blocks=8,
             linear_layout="sideways",
         )
+
+
+def test_onednn_linear_equals_nn_linear_at_any_row_count() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    packed = OneDNNLinear.from_linear(linear)
+    with torch.inference_mode():
+        assert packed(torch.randn(0, 64)).shape == (0, 48)
+        for shape in ((1, 64), (5, 64), (2, 7, 64)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_onednn_layout_packs_every_linear_and_gives_the_native_tokens(llama_dir: Path) -> None:
+    from decoding import DecodingParams
+    from server.engine.engine import Engine
+    from tests.engine_driver import generate
+
+    tokenizer = make_engine(llama_dir).tokenizer
+    engines = [Engine(runner_with(llama_dir, layout), tokenizer) for layout in ("onednn", "native")]
+    packed = engines[0].runner
+    assert packed.linear_layout == "onednn" and isinstance(packed.lm_head, OneDNNLinear)
+    assert not any(type(m) is nn.Linear for m in packed.decoder.modules())
+    assert any(isinstance(m, OneDNNLinear) for m in packed.decoder.modules())
+    prompts = [tokenizer(p).input_ids for p in ("The quick brown fox", "Once upon a time")]
+    params = DecodingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tokens = [[r.token_ids for r in generate(e, prompts, params)] for e in engines]
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_auto_takes_onednn_only_where_it_was_timed_faster(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch, faster: bool
+) -> None:
+    timed: list[int] = []
+
+    def timing(linear: nn.Linear, onednn: OneDNNLinear) -> bool:
+        timed.append(linear.out_features)
+        return faster
+
+    monkeypatch.setattr(cpu_linear, "onednn_is_faster", timing)
+    runner = runner_with(llama_dir, "auto")
+    assert timed == [runner.vocab_size]  # timed on the LM head
+    assert runner.linear_layout == ("onednn" if faster else "measured")
+    head_type = OneDNNLinear if faster else MeasuredLayoutLinear
+    assert isinstance(runner.lm_head, head_type)
+    # compiled decoders and float16 never take oneDNN under auto; asked for, they are refused
+    assert runner_with(llama_dir, "auto", compile_decode=True).linear_layout == "measured"
+    assert runner_with(llama_dir, "auto", dtype=torch.float16).linear_layout == "measured"
+    with pytest.raises(ValueError, match="does not compile"):
+        runner_with(llama_dir, "onednn", compile_decode=True)
+    with pytest.raises(ValueError, match="float16"):
+        runner_with(llama_dir, "onednn", dtype=torch.float16)
+
+
+def test_the_timing_compares_onednn_with_both_plain_layouts() -> None:
+    linear = nn.Linear(32, 64)
+    assert isinstance(onednn_is_faster(linear, OneDNNLinear.from_linear(linear)), bool)
+    with pytest.raises(ValueError, match="for the CPU"):
+        apply_linear_layout(nn.Sequential(), linear, "onednn", torch.device("cuda"))
+    assert apply_linear_layout(nn.Sequential(), linear, "auto", torch.device("cuda")) == (
+        linear,
+        "native",
+    )

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
-from server.model.cpu_linear import MeasuredLayoutLinear, TransposedLinear, transpose_linears
+from server.model.cpu_linear import apply_linear_layout
 from server.model.cuda_graphs import DecodeGraphs
 from server.model.devices import dtype_warning, quantization_problem
 from server.model.kv_budget import (
@@ -121,25 +121,14 @@ class ModelRunner:
         head = self.model.get_output_embeddings()
         self.vocab_size = head.weight.shape[0]
         self.lm_head = quantized_lm_head(head, device, quantization)
-        if linear_layout not in ("auto", "transposed", "native"):
-            raise ValueError(
-                f"linear_layout must be auto, transposed or native; got {linear_layout!r}"
-            )
         if quantization == "int8-weights":
             quantize_decoder_weights(self.decoder, device)
         elif quantization == "w8a8":
             quantize_decoder_w8a8(self.decoder, device)
-        if linear_layout == "transposed" or (linear_layout == "auto" and device.type == "cpu"):
-            transpose_linears(self.decoder)
-            if self.lm_head is head and isinstance(head, torch.nn.Linear):
-                # an untied copy: the embedding keeps the [vocab, hidden] table; with auto, the
-                # head keeps both layouts and uses the faster one per row count (timed here)
-                self.lm_head = (
-                    TransposedLinear.from_linear(head)
-                    if linear_layout == "transposed"
-                    else MeasuredLayoutLinear(head)
-                )
-                log.info("LM head: %s", self.lm_head.extra_repr())
+        self.lm_head, self.linear_layout = apply_linear_layout(
+            self.decoder, self.lm_head, linear_layout, device, compiled=compile_decode
+        )
+        log.info("linear layers: %s layout; LM head: %s", self.linear_layout, self.lm_head)
         self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
