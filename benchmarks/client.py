@@ -31,11 +31,19 @@ class CompletionTarget:
     request_timeout_s: float = 600.0
     extra: tuple[tuple[str, object], ...] = ()
     api_key: str | None = None
+    chat: bool = False  # send each prompt as a user message to /v1/chat/completions
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
 
     def body(self, req: BenchRequest) -> dict:
-        body: dict = {
-            "model": self.model,
-            "prompt": req.prompt,
+        body: dict = {"model": self.model}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+        else:
+            body["prompt"] = req.prompt
+        body |= {
             "max_tokens": req.max_tokens,
             "temperature": 0,
             "stream": True,
@@ -73,14 +81,14 @@ async def stream_completion(
     target: CompletionTarget,
     req: BenchRequest,
     body: dict | None = None,
-    path: str = "/v1/completions",
+    path: str | None = None,
 ) -> RequestResult:
-    """Send one streaming request (`target.body(req)`, or `body` to `path`) and time it. Never
-    raises: failures become `success=False`."""
+    """Send one streaming request (`target.body(req)` to `target.path`, or `body` to `path`) and
+    time it. Never raises: failures become `success=False`."""
     result = RequestResult(
         index=req.index, expected_output_tokens=req.max_tokens if target.ignore_eos else None
     )
-    url = target.base_url.rstrip("/") + path
+    url = target.base_url.rstrip("/") + (path or target.path)
     chunks_with_text = 0
     usage_tokens: int | None = None
     texts: list[str] = []

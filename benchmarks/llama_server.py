@@ -30,6 +30,9 @@ from benchmarks.workload import BenchRequest
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist, which vendors llama.cpp's source
 LABEL = "llama.cpp llama-server (Q4_K_M GGUF, -np c, continuous batching)"
+# its own n-gram speculation (prompt lookup over the slot's context), for input-grounded work
+NGRAM_ARGS = ("--spec-type", "ngram-simple")
+NGRAM_LABEL = "llama.cpp llama-server + n-gram speculation (--spec-type ngram-simple)"
 CPU_FLAGS = (  # explicit, never GGML_NATIVE (see the module docstring)
     "-DGGML_NATIVE=OFF",
     "-DGGML_AVX=ON",
@@ -93,10 +96,16 @@ def build(cache: Path | None = None, jobs: int | None = None) -> Path:
 
 
 def server_command(
-    binary: Path, gguf: Path, port: int, slots: int, threads: int, ctx_per_slot: int
+    binary: Path,
+    gguf: Path,
+    port: int,
+    slots: int,
+    threads: int,
+    ctx_per_slot: int,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """One slot per concurrent client, each with `ctx_per_slot` tokens of context; `threads` for
-    decode and for prompt batches alike."""
+    decode and for prompt batches alike; `extra` flags last."""
     return [
         str(binary),
         "--model", str(gguf),
@@ -108,6 +117,7 @@ def server_command(
         "--threads-batch", str(threads),
         "--ctx-size", str(ctx_per_slot * slots),
         "--no-webui",
+        *extra,
     ]  # fmt: skip
 
 
@@ -120,10 +130,12 @@ def launched(
     threads: int | None = None,
     ctx_per_slot: int = 1024,
     timeout_s: float = 300.0,
+    extra: Sequence[str] = (),
 ) -> Iterator[str]:
     """Yield the base URL of a llama-server with `slots` slots; stopped on exit."""
     port = free_port()
-    cmd = server_command(binary, gguf, port, slots, threads or os.cpu_count() or 1, ctx_per_slot)
+    threads = threads or os.cpu_count() or 1
+    cmd = server_command(binary, gguf, port, slots, threads, ctx_per_slot, extra)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"launching: {' '.join(cmd)}  (log: {log_path})", file=sys.stderr)
     with open(log_path, "wb") as log:
@@ -147,22 +159,27 @@ def measure(
     log_path: Path,
     ignore_eos: bool = True,
     threads: int | None = None,
+    chat: bool = False,
+    ngram: bool = False,
 ) -> SystemResult:
     """The closed-loop load at each concurrency level, each against a fresh llama-server with one
-    slot per client."""
+    slot per client (`chat`: the prompts as user messages; `ngram`: its n-gram speculation on)."""
     binary = build()
     threads = threads or os.cpu_count() or 1
+    extra = NGRAM_ARGS if ngram else ()
+    name = "llama-server-ngram" if ngram else "llama-server"
     result = SystemResult(
-        "llama-server",
-        LABEL,
+        name,
+        NGRAM_LABEL if ngram else LABEL,
         "server",
         info={"binary": str(binary), "version": f"llama-cpp-python {VERSION} sdist",
-              "gguf": str(gguf), "threads": threads, "cmake_flags": list(BUILD_FLAGS)},
+              "gguf": str(gguf), "threads": threads, "cmake_flags": list(BUILD_FLAGS),
+              "extra_args": list(extra)},
     )  # fmt: skip
     for c in levels:
-        with launched(binary, gguf, c, log_path, threads) as url:
+        with launched(binary, gguf, c, log_path, threads, extra=extra) as url:
             model = first_model_id(url)
-            target = CompletionTarget(url, model, ignore_eos=ignore_eos)
-            res, dur = asyncio.run(run_concurrency(target, requests, c, f"llama-server c={c}"))
+            target = CompletionTarget(url, model, ignore_eos=ignore_eos, chat=chat)
+            res, dur = asyncio.run(run_concurrency(target, requests, c, f"{name} c={c}"))
         result.runs.append(Run(c, summarize(res, dur)))
     return result

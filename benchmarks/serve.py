@@ -42,6 +42,7 @@ from benchmarks.structured import format_structured, run_structured
 from benchmarks.workload import (
     BenchRequest,
     Workload,
+    grounded_workload,
     prompts_workload,
     synthetic_workload,
     with_shared_prefix,
@@ -49,7 +50,9 @@ from benchmarks.workload import (
 from server.model.devices import DTYPES
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
-ALL_BASELINES = ("hf-static", "hf-sequential", "llama-cpp", "llama-server")
+ALL_BASELINES = ("hf-static", "hf-sequential", "llama-cpp", "llama-server", "llama-server-ngram")
+# the HF loops and llama-cpp-python send raw prompts: they have no chat form
+RAW_PROMPT_BASELINES = ("hf-static", "hf-sequential", "llama-cpp")
 
 # Mode presets; any flag given explicitly wins. Short mode fits CI: < 2 minutes with model load.
 PRESETS = {
@@ -57,7 +60,8 @@ PRESETS = {
         "num_requests": 48,
         "output_tokens": "32,128",
         "concurrency": "1,4,16",
-        "baselines": ",".join(ALL_BASELINES),
+        "baselines": "hf-static,hf-sequential,llama-cpp,llama-server",
+        "grounded_baselines": "llama-server,llama-server-ngram",
         "beam_max_tokens": 64,
     },
     "short": {
@@ -65,6 +69,7 @@ PRESETS = {
         "output_tokens": "16,32",
         "concurrency": "1,4",
         "baselines": "hf-static,llama-cpp",
+        "grounded_baselines": "none",
         "beam_max_tokens": 16,
     },
 }
@@ -159,9 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     wl = p.add_argument_group("workload")
     wl.add_argument(
         "--dataset",
-        choices=["synthetic", "prompts"],
+        choices=["synthetic", "prompts", "grounded"],
         default="synthetic",
-        help="seeded random word prompts, or the prompt set of --prompts-file",
+        help="seeded random word prompts, the prompt set of --prompts-file, or input-grounded "
+        "chat requests (a passage to repeat, edit or copy and continue: n-gram speculation's "
+        "case; baselines llama-server with and without its own n-gram speculation)",
     )
     wl.add_argument(
         "--prompts-file",
@@ -241,12 +248,18 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
     args.levels = args.request_rate or args.concurrency or _number_list(preset["concurrency"])
     if args.mode == "concurrency" and any(c != int(c) for c in args.levels):
         parser.error("--concurrency takes whole numbers")
-    names = [b.strip() for b in (args.baselines or preset["baselines"]).split(",") if b.strip()]
+    default_names = preset["grounded_baselines" if args.dataset == "grounded" else "baselines"]
+    names = [b.strip() for b in (args.baselines or default_names).split(",") if b.strip()]
     names = [] if names == ["none"] else names
     unknown = set(names) - set(ALL_BASELINES)
     if unknown:
         parser.error(
             f"unknown baseline(s) {sorted(unknown)}; choose from {', '.join(ALL_BASELINES)} or none"
+        )
+    if args.dataset == "grounded" and set(names) & set(RAW_PROMPT_BASELINES):
+        parser.error(
+            "--dataset grounded sends chat requests; the baselines "
+            f"{', '.join(RAW_PROMPT_BASELINES)} send raw prompts: choose llama-server(-ngram)"
         )
     args.baseline_names = names
     args.variants = []
@@ -275,7 +288,9 @@ def peers_comparable(args: argparse.Namespace) -> bool:
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
-    if args.dataset == "prompts":
+    if args.dataset == "grounded":
+        workload = grounded_workload(args.num_requests, args.output_tokens, args.seed)
+    elif args.dataset == "prompts":
         kwargs = {"path": args.prompts_file} if args.prompts_file else {}
         workload = prompts_workload(args.num_requests, args.output_tokens, args.seed, **kwargs)
     else:
@@ -407,22 +422,31 @@ def run_baselines(
                 )
             )
             phases["llama_cpp"] = time.perf_counter() - t0
-    if "llama-server" in args.baseline_names:
+    for name in ("llama-server", "llama-server-ngram"):
+        if name not in args.baseline_names:
+            continue
         t0 = time.perf_counter()
         gguf = args.gguf or llamacpp_baseline.default_gguf(args.model)
         if gguf is None:
-            skipped["llama-server"] = "no GGUF file for --model; pass --gguf"
+            skipped[name] = "no GGUF file for --model; pass --gguf"
         elif args.mode != "concurrency":
-            skipped["llama-server"] = "one slot per client needs --concurrency levels"
+            skipped[name] = "one slot per client needs --concurrency levels"
         else:
-            log_path = server_log_path(args).with_name("llama-server.log")
+            log_path = server_log_path(args).with_name(f"{name}.log")
             levels = [int(c) for c in args.levels]
             systems.append(
                 llama_server.measure(
-                    gguf, reqs, levels, log_path, args.ignore_eos, args.llama_threads
+                    gguf,
+                    reqs,
+                    levels,
+                    log_path,
+                    args.ignore_eos,
+                    args.llama_threads,
+                    chat=workload.chat,
+                    ngram=name == "llama-server-ngram",
                 )
             )
-            phases["llama_server"] = time.perf_counter() - t0
+            phases[name.replace("-", "_")] = time.perf_counter() - t0
     return systems, skipped
 
 
@@ -496,7 +520,12 @@ async def _measure(
         )
         return res, model
     target = CompletionTarget(
-        base_url, model, args.ignore_eos, args.request_timeout, api_key=args.api_key
+        base_url,
+        model,
+        args.ignore_eos,
+        args.request_timeout,
+        api_key=args.api_key,
+        chat=workload.chat,
     )
     return await bench_server(args, target, workload, label), model
 

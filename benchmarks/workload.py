@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 BUNDLED_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+PASSAGES = Path(__file__).with_name("accuracy_text.txt")  # paragraphs of plain English prose
 
 # Common English words: synthetic prompts read like (odd) text, which keeps tokenization realistic.
 _WORDS = (
@@ -52,6 +53,7 @@ class Workload:
     output_tokens: tuple[int, int]
     prompt_words: tuple[int, int] | None = None
     shared_prefix_words: int = 0  # words of the system prompt every request starts with
+    chat: bool = False  # prompts are user messages (POST /v1/chat/completions)
 
     def describe(self) -> dict:
         words = [len(r.prompt.split()) for r in self.requests]
@@ -66,6 +68,7 @@ class Workload:
             "prompt_words_total": sum(words),
             "output_tokens_total": sum(outs),
             "output_tokens_mean": sum(outs) / len(outs) if outs else 0.0,
+            "chat": self.chat,
         }
 
 
@@ -142,6 +145,40 @@ def prompts_workload(
     outs = _output_lengths(rng, num_requests, output_tokens)
     requests = tuple(BenchRequest(i, p, o) for i, (p, o) in enumerate(zip(chosen, outs)))
     return Workload(path.stem, requests, seed, output_tokens)
+
+
+GROUNDED_TASKS = (
+    "Repeat the following text exactly, word for word.\n\n{passage}",
+    'Rewrite the following text with every "{old}" replaced by "{new}". Change nothing '
+    "else.\n\n{passage}",
+    "Copy the following text, then continue it with one more paragraph.\n\n{passage}",
+)
+_SWAPS = (("the", "a"), ("and", "or"), ("of", "from"), ("is", "was"))
+
+
+def grounded_workload(
+    num_requests: int = 48,
+    output_tokens: tuple[int, int] = (32, 128),
+    seed: int = 0,
+    path: Path = PASSAGES,
+) -> Workload:
+    """Input-grounded chat requests: each carries a passage (a paragraph of `path`) and asks to
+    repeat it, edit it (replace a word) or copy and continue it, as summarisation and
+    code-editing traffic quote their input. Most of each answer is in its prompt: the workload
+    n-gram speculation is for."""
+    _check_range("output_tokens", output_tokens)
+    rng = random.Random(seed)
+    paragraphs = [
+        " ".join(p.split()) for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()
+    ]
+    prompts = []
+    for i in range(num_requests):
+        old, new = rng.choice(_SWAPS)
+        task = GROUNDED_TASKS[i % len(GROUNDED_TASKS)]
+        prompts.append(task.format(passage=rng.choice(paragraphs), old=old, new=new))
+    outs = _output_lengths(rng, num_requests, output_tokens)
+    requests = tuple(BenchRequest(i, p, o) for i, (p, o) in enumerate(zip(prompts, outs)))
+    return Workload("grounded", requests, seed, output_tokens, chat=True)
 
 
 def _check_range(name: str, value: tuple[int, int]) -> None:

@@ -131,6 +131,16 @@ class ServerConfig(BaseModel):
         description="render a step's text (detokenize, stop strings, stream) while the device "
         "runs the next step; auto = on on CUDA, off on the CPU (its forward blocks the host)",
     )
+    num_speculative_tokens: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="n-gram speculation (prompt lookup): a decoding row drafts up to this many "
+        "tokens copied from where its last n-gram occurred before in its own prompt or output, "
+        "and one forward verifies them (greedy output unchanged; sampled rows keep their "
+        "distribution); the count adapts per row and a row whose drafts are rejected stops "
+        "drafting; 0 = off",
+    )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto",
         description="step the engine in a process of its own (its own GIL: the HTTP front end "

@@ -81,6 +81,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         overlap_outputs=overlaps_outputs(config.overlap_outputs, device.type),
+        speculative_tokens=config.num_speculative_tokens,
     )
     return LoadedEngine(engine, runner, tokenizer, model_dir, config)
 

@@ -125,6 +125,16 @@ class Metrics:
             "Time per engine step to build the allowed-token mask of its constrained rows.",
             MASK_BUCKETS,
         )
+        # n-gram speculation, under vLLM's spec_decode names
+        self._spec_drafts = counter(
+            "spec_decode_num_drafts", "Rows' drafts verified (one per drafting row per step)."
+        ).labels(*m)
+        self._spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative draft tokens verified."
+        ).labels(*m)
+        self._spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."
+        ).labels(*m)
         # Expose every label combination at 0 from the start, so rate() sees the first event.
         for strategy in STRATEGIES:
             for finished in FINISHED_REASONS:
@@ -157,6 +167,11 @@ class Metrics:
     def observe_step(self, *, num_tokens: int, batch_size: int) -> None:
         self._iteration_tokens.observe(num_tokens)
         self._batch_size.set(batch_size)
+
+    def record_spec_decode(self, *, drafted: int, accepted: int) -> None:
+        self._spec_drafts.inc()
+        self._spec_draft_tokens.inc(drafted)
+        self._spec_accepted_tokens.inc(accepted)
 
     def record_preemptions(self, n: int = 1) -> None:
         self._preemptions.inc(n)

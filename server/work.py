@@ -38,22 +38,26 @@ class ScoreSpan:
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs 3x more, once per row per step
 class WorkItem(Generic[RowT]):
     """One row's share of a step: `num_new` tokens starting at its `num_computed`; `score` asks
-    for the logprobs of the tokens that follow some of them (inside this chunk)."""
+    for the logprobs of the tokens that follow some of them (inside this chunk). A decoding row
+    may add speculative `draft` tokens after its own (counted in `num_new`): the step then
+    returns logits at its last token and at every draft."""
 
     seq: RowT
     num_new: int
     score: ScoreSpan | None = None
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the row, so its last token predicts the next."""
-        return self.seq.num_computed + self.num_new == len(self.seq.token_ids)
+        return self.seq.num_computed + self.num_new == len(self.seq.token_ids) + len(self.draft)
 
 
 @dataclass
 class StepOutput:
-    """What a step returns: logits [R, V] of the items that sample (in order), and the scored
-    positions of the items that asked (`WorkItem.score`), by item index."""
+    """What a step returns: logits [R, V] of the items that sample (in order, 1 + len(draft) rows
+    each: its last token and its drafts), and the scored positions of the items that asked
+    (`WorkItem.score`), by item index."""
 
     logits: torch.Tensor
     scores: dict[int, TokenLogprobs] = field(default_factory=dict)

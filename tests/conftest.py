@@ -59,6 +59,7 @@ def make_engine(
     max_num_batched_tokens: int = 64,
     enable_prefix_caching: bool = True,
     overlap_outputs: bool = False,
+    speculative_tokens: int = 0,
 ) -> Engine:
     runner = ModelRunner(
         model_dir,
@@ -75,6 +76,7 @@ def make_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching,
         overlap_outputs=overlap_outputs,
+        speculative_tokens=speculative_tokens,
     )
 
 

@@ -116,6 +116,26 @@ def fake_openai_app(
             }
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> StreamingResponse:
+        """Streams one delta per token; counts the requests it got in `chat_requests`."""
+        body = await request.json()
+        chat_requests.append(body["messages"][-1]["content"])
+        n = int(body["max_tokens"])
+
+        async def events() -> AsyncIterator[str]:
+            for i in range(n):
+                await asyncio.sleep(TOKEN_DELAY_S)
+                delta = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+                yield f"data: {json.dumps(delta)}\n\n"
+            usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    chat_requests: list[str] = []
+    app.state.chat_requests = chat_requests
     return app
 
 
@@ -257,6 +277,18 @@ def test_shared_prefix_workload_prepends_one_seeded_system_prompt() -> None:
         serve.resolve_args(["--launch-beamline", "--shared-prefix-words", "30"])
     )
     assert serve.peers_comparable(serve.resolve_args(["--launch-beamline"]))
+
+
+def test_grounded_workload_quotes_a_passage_in_every_chat_request() -> None:
+    from benchmarks.workload import PASSAGES, grounded_workload
+
+    a, b = grounded_workload(9, (8, 16), seed=3), grounded_workload(9, (8, 16), seed=3)
+    assert a == b and a.chat and a.describe()["chat"]
+    paragraphs = [" ".join(p.split()) for p in PASSAGES.read_text().split("\n\n") if p.strip()]
+    for i, req in enumerate(a.requests):
+        assert any(p in req.prompt for p in paragraphs)
+        assert req.prompt.startswith(("Repeat", "Rewrite", "Copy")[i % 3])
+        assert 8 <= req.max_tokens <= 16
 
 
 def test_bundled_prompt_set() -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import llama_server, serve
+from tests.live_server import live_server
+from tests.test_benchmarks import fake_openai_app
 
 FAKE = Path(__file__).resolve().parent / "fixtures" / "fake_llama_server.py"
 
@@ -43,6 +45,17 @@ def fake_binary(cache: Path) -> Path:
     return binary
 
 
+def stand_in_llama_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """The stand-in binary as the cached build; returns its call log and a GGUF to pass."""
+    monkeypatch.setenv("BEAMLINE_CACHE_DIR", str(tmp_path / "cache"))
+    fake_binary(llama_server.cache_dir())
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_LOG", str(calls))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    return calls, gguf
+
+
 def test_a_cached_build_is_used_as_it_is(tmp_path: Path) -> None:
     binary = fake_binary(tmp_path)
     assert llama_server.build(tmp_path) == binary  # no download, no cmake
@@ -52,14 +65,7 @@ def test_a_cached_build_is_used_as_it_is(tmp_path: Path) -> None:
 def test_serve_runs_llama_server_per_level_in_the_same_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("BEAMLINE_CACHE_DIR", str(tmp_path / "cache"))
-    fake_binary(llama_server.cache_dir())
-    calls = tmp_path / "calls.jsonl"
-    monkeypatch.setenv("FAKE_LLAMA_SERVER_LOG", str(calls))
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
-    from tests.live_server import live_server
-    from tests.test_benchmarks import fake_openai_app
+    calls, gguf = stand_in_llama_server(tmp_path, monkeypatch)
 
     with live_server(fake_openai_app()) as url:
         code = serve.main(
@@ -82,3 +88,31 @@ def test_serve_runs_llama_server_per_level_in_the_same_run(
     )
     assert {r["baseline"] for r in doc["ratios"]} >= {"llama-server"}
     assert os.path.exists(doc["plot"])
+
+
+@pytest.mark.timeout(180)
+def test_grounded_workload_runs_llama_server_with_and_without_its_ngram_speculation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chat requests to beamline and to both llama-servers; the second one with --spec-type."""
+    calls, gguf = stand_in_llama_server(tmp_path, monkeypatch)
+
+    app = fake_openai_app()
+    with live_server(app) as url:
+        code = serve.main(
+            ["--base-url", url, "--dataset", "grounded", "--gguf", str(gguf)]
+            + ["--num-requests", "4", "--output-tokens", "2,4", "--concurrency", "2"]
+            + ["--out-dir", str(tmp_path), "--tag", "run", "--warmup", "0"]
+        )
+    assert code == 0
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["workload"]["name"] == "grounded" and doc["workload"]["chat"]
+    assert len(app.state.chat_requests) == 4  # the system under test got chat requests
+    assert set(doc["systems"]) == {"server", "llama-server", "llama-server-ngram"}
+    started = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [s["spec_type"] for s in started] == [None, "ngram-simple"]
+    for name in ("llama-server", "llama-server-ngram"):
+        m = doc["systems"][name]["runs"][0]["metrics"]
+        assert m["completed"] == 4 and m["errors"] == 0
+    with pytest.raises(SystemExit):  # raw-prompt baselines have no chat form
+        serve.resolve_args(["--base-url", url, "--dataset", "grounded", "--baselines", "hf-static"])

@@ -8,6 +8,8 @@ its path through those records: memory is linear in the output length (beams x s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from decoding import (
@@ -24,8 +26,37 @@ from server.engine.request import EngineRequest, TokenLogprob
 StepLogprobs = dict[tuple[int, int], TokenLogprob]  # (input row, token) -> logprob, one step
 
 
-def step_searches(reqs: list[EngineRequest], scores: list[torch.Tensor]) -> list[BeamStep]:
-    """Plain beam searches share one batched top-k; group beam searches step on their own."""
+def step_searches(
+    reqs: list[EngineRequest], scores: torch.Tensor, logits: torch.Tensor, spans: list[slice]
+) -> list[BeamStep]:
+    """Step each request's search on its rows (`spans`) of the processed `scores`, and record
+    the raw logprobs of what it chose where asked. Plain beam searches share one batched top-k;
+    group beam searches step on their own."""
+    steps = _step_searches(reqs, [scores[span] for span in spans])
+    for req, span, beam_step in zip(reqs, spans, steps):
+        if req.params.logprobs is not None:
+            record_logprobs(req, logits[span], beam_step)
+    return steps
+
+
+def advance(
+    req: EngineRequest,
+    beam_step: BeamStep,
+    fork: Callable[[EngineRequest, list[int], list[int]], None],
+    max_model_len: int,
+) -> bool:
+    """Replace the request's rows by the step's beams (`fork`: the scheduler's) and advance their
+    constraints; True when the search is over (done, or its beams filled max_model_len)."""
+    if beam_step.done:
+        return True
+    fork(req, beam_step.parents, beam_step.tokens)
+    for row, token in zip(req.rows, beam_step.tokens):
+        if row.constraint is not None:
+            row.constraint.advance(token)  # a failure leaves the beam no candidates
+    return bool(req.rows) and len(req.rows[0].token_ids) >= max_model_len
+
+
+def _step_searches(reqs: list[EngineRequest], scores: list[torch.Tensor]) -> list[BeamStep]:
     plain = [i for i, r in enumerate(reqs) if isinstance(r.search, BeamSearch)]
     steps: dict[int, BeamStep] = dict(
         zip(

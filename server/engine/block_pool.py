@@ -103,6 +103,15 @@ class BlockPool:
             raise OutOfBlocks(f"need {need} blocks, {self.num_free} free")
         table.extend(self.allocate() for _ in range(need))
 
+    def shrink(self, table: list[int], num_tokens: int) -> None:
+        """Release the blocks of `table` past those that hold its first `num_tokens` tokens (the
+        slots of rejected speculative tokens)."""
+        keep = -(-num_tokens // self.block_size)
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.release(tail)
+
     def ensure_writable(self, table: list[int], index: int) -> tuple[int, int] | None:
         """Make `table[index]` private before a write. Returns (src, dst) if data must be copied.
 

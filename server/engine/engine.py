@@ -33,8 +33,9 @@ from server.engine.output_processor import OutputProcessor
 from server.engine.prefix_cache import PrefixCache
 from server.engine.prompt_scoring import PromptScoring
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
-from server.engine.sampling_step import choose, without_retired
+from server.engine.sampling_step import without_retired
 from server.engine.scheduler import Scheduler
+from server.engine.speculation import RowOutcome, Speculator, VerifyBatch
 from server.engine.stats import EngineStats, StatsRecorder
 from server.metrics import Metrics
 from server.model.runner import ModelRunner
@@ -55,16 +56,19 @@ class Engine:
         metrics: Metrics | None = None,
         enable_prefix_caching: bool = True,
         overlap_outputs: bool = False,
+        speculative_tokens: int = 0,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
         self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
-        self.scheduler = Scheduler(
-            self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache
-        )
         capacity = runner.num_blocks * runner.block_size
         self.max_model_len = min(max_model_len or runner.max_position_embeddings, capacity)
+        drafts = Speculator(speculative_tokens, self.max_model_len).propose  # n-gram; 0: off
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache,
+            propose=drafts if speculative_tokens > 0 else None,
+        )  # fmt: skip
         self.eos_token_ids = runner.eos_token_ids(tokenizer)
         self.output = OutputProcessor(tokenizer, self.max_model_len)
         self.recorder = StatsRecorder(self.pool, None)
@@ -106,9 +110,8 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def stats_snapshot(self) -> dict[str, int | float | bool]:
-        return self.recorder.snapshot(
-            self.num_running, self.num_waiting, prefix_caching=self.prefix_cache is not None
-        )
+        caching = self.prefix_cache is not None
+        return self.recorder.snapshot(self.num_running, self.num_waiting, prefix_caching=caching)
 
     # ---- admission and abort --------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -182,9 +185,8 @@ class Engine:
             if not sampling:
                 return
         rows, index = self.scheduler.fork_first_samples([item.seq for item in sampling])
-        if index is not None:  # rows were forked: each child samples from its parent's logits
-            logits = logits.index_select(0, torch.tensor(index, device=logits.device))
-        choices = choose(rows, logits, self.eos_token_ids)
+        batch = VerifyBatch(sampling, rows, index)  # one position per logits row (speculation)
+        choices, logits = batch.choose(logits, self.eos_token_ids)
         if choices.mask_seconds is not None:
             self.recorder.constraint_mask(choices.mask_seconds)
         beam_reqs: list[tuple[EngineRequest, slice]] = []
@@ -194,25 +196,36 @@ class Engine:
             req = rows[start].request
             span = slice(start, start + len(req.rows))
             if req.search is not None:
-                beam_reqs.append((req, span))
+                beam_reqs.append((req, batch.span(span)))
             else:
-                self.recorder.tokens(req, len(req.rows), now)
-                for r in range(span.start, span.stop):
-                    if r in choices.no_token:
-                        self._end_unconstrainable(rows[r])
-                    else:
-                        self._append(rows[r], choices.tokens[r], choices.logprobs.get(r))
+                outcomes = [batch.outcome(r, choices) for r in range(span.start, span.stop)]
+                self.recorder.tokens(req, sum(len(o.tokens) for o in outcomes), now)
+                for seq, outcome in zip(rows[span], outcomes):
+                    self._apply(seq, outcome)
             start = span.stop
         if beam_reqs:
             reqs = [req for req, _ in beam_reqs]
-            steps = beams.step_searches(reqs, [choices.scores[span] for _, span in beam_reqs])
-            for (req, span), beam_step in zip(beam_reqs, steps):
-                if req.params.logprobs is not None:
-                    beams.record_logprobs(req, logits[span], beam_step)
+            spans = [span for _, span in beam_reqs]
+            steps = beams.step_searches(reqs, choices.scores, logits, spans)
+            for req, beam_step in zip(reqs, steps):
                 self.recorder.tokens(req, 0 if beam_step.done else len(beam_step.tokens), now)
                 self._apply_beam_step(req, beam_step)
 
     # ---- rows that sample on their own: greedy, sampling, n, best_of ----------------------------
+    def _apply(self, seq: Sequence, outcome: RowOutcome) -> None:
+        """Append the row's kept tokens (accepted drafts + the token chosen after) until one ends
+        it; a constrained row left without a legal token ends after them."""
+        for token, logprob in zip(outcome.tokens, outcome.logprobs):
+            self._append(seq, token, logprob)
+            if seq.retired:
+                break
+        if outcome.drafted:
+            self.scheduler.accept_drafts(seq, outcome.accepted)
+            self.recorder.drafts(outcome.drafted, outcome.accepted)
+        if outcome.no_token and not seq.retired:  # a complete output stops, else it says so
+            done = seq.constraint is not None and seq.constraint.accepting
+            self._finish_row(seq, "stop" if done else NO_LEGAL_TOKEN, appended=False)
+
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         constraint = seq.constraint
         if constraint is not None and token not in seq.request.finishing_ids:
@@ -224,11 +237,6 @@ class Engine:
                 return
         if self.output.commit(seq, token, logprob) is not None:
             self._retire(seq)  # out of the next step at once; its ending is told when rendered
-
-    def _end_unconstrainable(self, seq: Sequence) -> None:
-        """Nothing was left to choose: a complete output stops, an incomplete one says so."""
-        done = seq.constraint is not None and seq.constraint.accepting
-        self._finish_row(seq, "stop" if done else NO_LEGAL_TOKEN, appended=False)
 
     def _retire(self, seq: Sequence) -> None:
         """The row leaves the batch: no further step computes it, its blocks are free."""
@@ -255,16 +263,10 @@ class Engine:
 
     # ---- beams ----------------------------------------------------------------------------------
     def _apply_beam_step(self, req: EngineRequest, beam_step: BeamStep) -> None:
-        if not beam_step.done:
-            self.scheduler.fork_beams(req, beam_step.parents, beam_step.tokens)
-            for row, token in zip(req.rows, beam_step.tokens):
-                if row.constraint is not None:
-                    row.constraint.advance(token)  # a failure leaves the beam no candidates
-            if not req.rows or len(req.rows[0].token_ids) < self.max_model_len:
-                return
-        hypotheses = beams.search_of(req).finalize()
-        self._close_request(req, hypotheses[0].finish_reason if hypotheses else "length")
-        self.output.emit_choices(req, beams.choices(req, hypotheses))
+        if beams.advance(req, beam_step, self.scheduler.fork_beams, self.max_model_len):
+            hypotheses = beams.search_of(req).finalize()
+            self._close_request(req, hypotheses[0].finish_reason if hypotheses else "length")
+            self.output.emit_choices(req, beams.choices(req, hypotheses))
 
     # ---- endings --------------------------------------------------------------------------------
     def _close_request(self, req: EngineRequest, reason: str) -> None:

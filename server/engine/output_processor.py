@@ -44,8 +44,9 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        # rows' committed tokens whose text is not out yet: (row, the ending the token decided)
-        self._pending: list[tuple[Sequence, str | None]] = []
+        # committed tokens whose text is not out yet: (row, the token's index in it, the ending
+        # the token decided); a speculative step commits several tokens of a row at once
+        self._pending: list[tuple[Sequence, int, str | None]] = []
 
     def commit(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> str | None:
         """Add a chosen token to an independent row: what the next step needs (the token, its
@@ -63,7 +64,7 @@ class OutputProcessor:
             reason = "length"
         else:
             reason = None
-        self._pending.append((seq, reason))
+        self._pending.append((seq, len(seq.token_ids) - 1, reason))
         return reason
 
     def render_pending(self) -> list[tuple[Sequence, str]]:
@@ -71,13 +72,13 @@ class OutputProcessor:
         returns the rows that end here, with their reasons (the caller then calls `finish_row`).
         Rows of requests that ended meanwhile (aborted) are skipped."""
         pending, self._pending = self._pending, []
-        ended = []
-        for seq, reason in pending:
-            if not seq.request.finished:
-                final = self._render(seq, reason)
+        ended: dict[Sequence, str] = {}
+        for seq, position, reason in pending:
+            if not seq.request.finished and seq not in ended:
+                final = self._render(seq, position, reason)
                 if final is not None:
-                    ended.append((seq, final))
-        return ended
+                    ended[seq] = final
+        return list(ended.items())
 
     @property
     def has_pending(self) -> bool:
@@ -86,24 +87,27 @@ class OutputProcessor:
     def drop_pending(self) -> set[EngineRequest]:
         """Forget the committed tokens not rendered yet (a failed step); returns their requests."""
         pending, self._pending = self._pending, []
-        return {seq.request for seq, _ in pending}
+        return {seq.request for seq, _, _ in pending}
 
-    def _render(self, seq: Sequence, reason: str | None) -> str | None:
+    def _render(self, seq: Sequence, position: int, reason: str | None) -> str | None:
         """A stop string ends the row (as "stop") even where the token ended it by length;
         a finishing token itself is never text."""
         text = self._text(seq)
         if text is None or reason == "stop":
             return reason
-        req, params, token = seq.request, seq.request.params, seq.token_ids[-1]
+        req, params, token = seq.request, seq.request.params, seq.token_ids[position]
         text.detok.push(token)
         if params.stop and _hit_stop_string(text, params.stop):
+            _drop_after(seq, position)
             return "stop"
         if reason is None:
             ready = len(text.detok.text) - holdback(params.stop)
             delta = ""
             if ready > text.sent:
                 delta, text.sent = text.detok.text[text.sent : ready], ready
-            _emit(req, seq.index, delta, [token], None, seq.num_output, seq.logprobs[-1:] or None)
+            count = position + 1 - seq.prompt_len
+            logprobs = seq.logprobs[count - 1 : count] or None
+            _emit(req, seq.index, delta, [token], None, count, logprobs)
         return reason
 
     def finish_row(
@@ -173,6 +177,16 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, seq.request.prompt_ids)
             seq.text = SequenceText(detok)
         return seq.text
+
+
+def _drop_after(seq: Sequence, position: int) -> None:
+    """A stop string ended the row at `position`: tokens committed after it in the same step
+    (speculation keeps several) are not part of the output."""
+    dropped = len(seq.token_ids) - position - 1
+    if dropped > 0:
+        del seq.token_ids[position + 1 :]
+        del seq.logprobs[seq.num_output :]
+        seq.request.generated_tokens -= dropped  # what its usage and metrics report
 
 
 def _hit_stop_string(text: SequenceText, stops: tuple[str, ...]) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from decoding.logprobs import TokenLogprobs
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
+from server.engine.sampling_step import select_items
 from server.work import ScoreSpan, WorkItem
 
 
@@ -42,8 +43,7 @@ class PromptScoring:
         if len(keep) == len(sampling):
             return sampling, logits, []
         done = [item.seq for item in sampling if item.seq.request in self.prompt_only]
-        index = torch.tensor(keep, dtype=torch.long, device=logits.device)
-        return [sampling[i] for i in keep], logits.index_select(0, index), done
+        return *select_items(sampling, logits, keep), done
 
     def plan(self, items: list[WorkItem[Sequence]]) -> list[WorkItem[Sequence]]:
         """The step's items, those with unscored prompt positions in their chunk asking for

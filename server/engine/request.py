@@ -15,6 +15,7 @@ import torch
 
 from decoding import BeamSearch, DecodingParams, GroupBeamSearch, make_beam_search
 from decoding.constraints import TokenConstraint
+from decoding.speculation import RowDrafts
 from server.engine.detokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
@@ -123,6 +124,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked for
     text: SequenceText | None = None  # streaming rows only (see output_processor.py)
     constraint: TokenConstraint | None = None  # this row's own state (decoding/constraints.py)
+    drafts: RowDrafts | None = None  # n-gram speculation (made at its first draft; forks anew)
 
     @property
     def output_ids(self) -> list[int]:

@@ -9,13 +9,15 @@ beams.py keeps theirs) get the raw model's logprob of that token and its top alt
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Rows
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from decoding import SamplingTensors, sample, token_logprobs
-from decoding.constraints import build_constraint_mask, rows_without_tokens
-from server.engine.request import Sequence, TokenLogprob
+from decoding.constraints import TokenConstraint, build_constraint_mask, rows_without_tokens
+from server.engine.request import EngineRequest, Sequence, TokenLogprob
 from server.work import WorkItem
 
 
@@ -28,7 +30,17 @@ class Choices:
     mask_seconds: float | None = None  # time spent building constraint masks (None: no rows)
 
 
-def choose(rows: list[Sequence], logits: torch.Tensor, eos_ids: frozenset[int]) -> Choices:
+class ChoosingRow(Protocol):
+    """What choosing reads of a row (a `Sequence`, or a position after some of its drafts)."""
+
+    request: EngineRequest
+    constraint: TokenConstraint | None
+
+    @property
+    def output_ids(self) -> list[int]: ...
+
+
+def choose(rows: Rows[ChoosingRow], logits: torch.Tensor, eos_ids: frozenset[int]) -> Choices:
     """Process `logits` [R, V] of `rows` and choose each row's next token."""
     params = [s.request.params for s in rows]
     vocab = logits.shape[-1]
@@ -66,13 +78,26 @@ def choose(rows: list[Sequence], logits: torch.Tensor, eos_ids: frozenset[int]) 
     return Choices(scores, tokens, logprobs, no_token, mask_seconds)
 
 
+def select_items(
+    sampling: list[WorkItem[Sequence]], logits: torch.Tensor, kept: list[int]
+) -> tuple[list[WorkItem[Sequence]], torch.Tensor]:
+    """Items `kept` of the sampling items, and their logits rows (1 + len(draft) each)."""
+    if len(kept) == len(sampling):
+        return sampling, logits
+    starts, rows = [0], list[int]()
+    for item in sampling:
+        starts.append(starts[-1] + 1 + len(item.draft))
+    for i in kept:
+        rows.extend(range(starts[i], starts[i + 1]))
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    return [sampling[i] for i in kept], logits.index_select(0, index)
+
+
 def without_retired(
     sampling: list[WorkItem[Sequence]], logits: torch.Tensor
 ) -> tuple[list[WorkItem[Sequence]], torch.Tensor]:
     """The items (and their logits) whose rows are still in the batch: with overlapped outputs
-    a stop string may end a row after its step was queued; that step's token is dropped."""
-    kept = [i for i, item in enumerate(sampling) if not item.seq.retired]
-    if len(kept) == len(sampling):
-        return sampling, logits
-    index = torch.tensor(kept, dtype=torch.long, device=logits.device)
-    return [sampling[i] for i in kept], logits.index_select(0, index)
+    a stop string may end a row after its step was queued; that step's tokens are dropped."""
+    return select_items(
+        sampling, logits, [i for i, item in enumerate(sampling) if not item.seq.retired]
+    )

@@ -9,6 +9,10 @@ all sample together later. Waiting requests join while the budget, the row cap a
 allow. When the pool cannot hold the running set, the youngest running request is preempted: its
 blocks are freed and it is recomputed later.
 
+With speculation (speculation.py), a running row that decodes may add draft tokens after its own,
+within the step's budget and the free blocks (drafts never preempt anyone); once verified, the
+row keeps the accepted ones (`accept_drafts`) and the blocks of the rejected ones are freed.
+
 With prefix caching, a waiting request's rows first take over the cached blocks of their leading
 tokens (prefix_cache.py), so only the rest is computed and counted against the pool; a request that
 then cannot join gives them back.
@@ -17,6 +21,7 @@ then cannot join gives them back.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.engine.block_pool import BlockPool, OutOfBlocks
@@ -59,9 +64,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
+        propose: Callable[[Sequence, int], list[int]] | None = None,
     ) -> None:
         self.pool = pool
         self.prefix_cache = prefix_cache
+        self.propose = propose  # drafts for a decoding row, at most the given count
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[EngineRequest] = deque()
@@ -131,8 +138,10 @@ class Scheduler:
             except OutOfBlocks:
                 self._preempt(self.running.pop(), plan)
                 continue
-            plan.items.extend(items)
             budget -= sum(item.num_new for item in items)
+            if self.propose is not None:
+                budget -= self._add_drafts(items, budget)
+            plan.items.extend(items)
             i += 1
         while self.waiting and budget > 0 and not plan.preempted:
             request = self.waiting[0]
@@ -157,6 +166,39 @@ class Scheduler:
             budget -= sum(item.num_new for item in items)
         return plan
 
+    def _add_drafts(self, items: list[WorkItem[Sequence]], budget: int) -> int:
+        """Drafts for the items that decode one token, in the room left; returns their count."""
+        assert self.propose is not None
+        added = 0
+        for item in items:
+            seq = item.seq
+            if item.num_new != 1 or not item.samples or not seq.num_output or item.score:
+                continue
+            draft = self.propose(seq, budget - added)
+            if not draft:
+                continue
+            end = seq.num_computed + 1 + len(draft)
+            if self.pool.blocks_needed(seq.block_table, end) > self.pool.num_free:
+                room = len(seq.block_table) * self.pool.block_size - seq.num_computed - 1
+                draft = draft[:room]
+                end = seq.num_computed + 1 + len(draft)
+            if draft:
+                self.pool.grow(seq.block_table, end)  # new blocks: private, nothing to copy
+                item.draft = draft
+                item.num_new += len(draft)
+                added += len(draft)
+        return added
+
+    def accept_drafts(self, seq: Sequence, accepted: int) -> None:
+        """A verified row keeps `accepted` of its drafts (already appended to its tokens): they
+        are computed; the slots after them held rejected ones, blocks past them are freed."""
+        if seq.retired:
+            return
+        seq.num_computed += accepted
+        if self.prefix_cache is not None and accepted:
+            self.prefix_cache.register(seq, seq.num_computed - accepted)
+        self.pool.shrink(seq.block_table, len(seq.token_ids))
+
     def update_from_output(self, plan: StepPlan) -> list[WorkItem[Sequence]]:
         """The step ran: its tokens are in the cache, and every block it filled is offered to the
         prefix cache. Returns the items whose rows sample now (their chunk reached the end)."""
@@ -165,9 +207,10 @@ class Scheduler:
             seq = item.seq
             if seq.retired:  # ended by a stop string while the step ran (overlapped outputs)
                 continue
-            seq.num_computed += item.num_new
+            computed = item.num_new - len(item.draft)  # drafts count once accepted
+            seq.num_computed += computed
             if self.prefix_cache is not None:
-                self.prefix_cache.register(seq, seq.num_computed - item.num_new)
+                self.prefix_cache.register(seq, seq.num_computed - computed)
         return sampling
 
     def fork_row(

@@ -36,6 +36,10 @@ class EngineStats:
     # constrained decoding: steps that built an allowed-token mask, and the time that took
     constraint_mask_steps: int = 0
     constraint_mask_seconds: float = 0.0
+    # n-gram speculation: rows that drafted in a step, their draft tokens, the accepted ones
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class StatsRecorder:
@@ -77,6 +81,9 @@ class StatsRecorder:
             "prefix_cache_hit_rate": s.prefix_cache_hits / max(1, s.prefix_cache_queries),
             "constraint_mask_steps": s.constraint_mask_steps,
             "constraint_mask_seconds": s.constraint_mask_seconds,
+            "spec_decode_num_drafts": s.spec_drafts,
+            "spec_decode_num_draft_tokens": s.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.spec_accepted_tokens,
         }
 
     def schedule(self, preempted: int, cache_queries: int, cache_hits: int) -> None:
@@ -187,3 +194,12 @@ class StatsRecorder:
                 prompt_tokens=prompt_tokens,
                 generation_tokens=generated,
             )
+
+    def drafts(self, drafted: int, accepted: int) -> None:
+        """A row's `drafted` speculative tokens were verified; `accepted` of them were kept."""
+        s = self.stats
+        s.spec_drafts += 1
+        s.spec_draft_tokens += drafted
+        s.spec_accepted_tokens += accepted
+        if self.metrics is not None:
+            self.metrics.record_spec_decode(drafted=drafted, accepted=accepted)

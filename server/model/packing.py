@@ -22,7 +22,7 @@ class PackedStep:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     ctx: StepContext | PagedStep
-    sample_rows: list[int]  # packed index of the last token of each item that samples, in order
+    sample_rows: list[int]  # packed indexes of the logits rows of the items that sample, in order
     sample_index: torch.Tensor  # the same on the device
     item_starts: list[int]  # packed index of each item's first token
 
@@ -64,10 +64,13 @@ def pack_step(
     for item in items:
         seq, start = item.seq, item.seq.num_computed
         item_starts.append(len(tokens))
-        tokens += seq.token_ids[start : start + item.num_new]
+        new = seq.token_ids[start : start + item.num_new]
+        if item.draft:
+            new += item.draft
+        tokens += new
         positions += range(start, start + item.num_new)
-        if item.samples:
-            sample_rows.append(len(tokens) - 1)
+        if item.samples:  # the last token and each draft predict the token after them
+            sample_rows.extend(range(len(tokens) - 1 - len(item.draft), len(tokens)))
     ctx: StepContext | PagedStep
     if kernel:
         ctx = PagedStep.build(

@@ -1,0 +1,183 @@
+"""N-gram speculation inside the continuous batch: which rows draft, and what a step keeps.
+
+Before a step the scheduler asks `Speculator.propose` for the drafts of each row that decodes
+(decoding/speculation.py: prompt lookup over the row's own tokens, a per-row draft length that
+adapts and switches itself off when drafts are rejected). The row's step then computes its pending
+token and its drafts (`WorkItem.draft`), with logits at each of those positions. After the forward,
+`VerifyBatch` turns each drafted row into one *position* per logits row, each seeing the drafts
+before it as output (penalties count them, a constrained row's grammar has consumed them), so the
+ordinary sampling step chooses a token at every position; the row keeps the drafts up to the first
+that differs from the token chosen there, plus that token.
+
+Which rows draft:
+- greedy and sampled rows, with logprobs, penalties, stop strings and grammars (a constrained row
+  only drafts what its grammar allows; each position gets its own copy of the grammar state);
+- not beam rows: a beam search must score every beam's candidates at every step, and its beams are
+  re-forked at each one, so there is no single continuation to verify;
+- not the rows of a seeded request with several rows (n, best_of): they share one random stream,
+  whose order would then depend on how many tokens each row kept. A seeded request's single row
+  draws its i-th output token from the i-th number of its stream (`rewind`), so its tokens are the
+  same with speculation on and off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoding.constraints import TokenConstraint
+from decoding.speculation import DraftLength, RowDrafts, accepted_length
+from server.engine.request import EngineRequest, Sequence, TokenLogprob
+from server.engine.sampling_step import Choices, choose
+from server.work import WorkItem
+
+
+@dataclass(eq=False, slots=True)
+class DraftPosition:
+    """The position after a row's first j drafts, as the sampling step reads a row."""
+
+    request: EngineRequest
+    output_ids: list[int]
+    constraint: TokenConstraint | None
+
+
+@dataclass
+class RowOutcome:
+    tokens: list[int]  # the accepted drafts and the token chosen after them
+    logprobs: list[TokenLogprob | None]
+    drafted: int
+    accepted: int
+    no_token: bool = False  # a constrained row had nothing left to choose after `tokens`
+
+
+class Speculator:
+    def __init__(self, num_tokens: int, max_model_len: int) -> None:
+        self.num_tokens = num_tokens  # most drafts per row per step
+        self.max_model_len = max_model_len
+
+    def propose(self, seq: Sequence, room: int) -> list[int]:
+        """Drafts for a row about to decode one token, at most `room` (the step's budget)."""
+        req = seq.request
+        if req.search is not None or (req.generator is not None and req.width > 1):
+            return []
+        state = seq.drafts
+        if state is None:
+            state = seq.drafts = RowDrafts(DraftLength(self.num_tokens))
+        if not state.length.enabled:
+            return []
+        room = min(
+            room,
+            state.length.length,
+            req.params.max_tokens - seq.num_output - 1,  # the kept token after them still fits
+            self.max_model_len - len(seq.token_ids) - 1,
+        )
+        draft = state.index.propose(seq.token_ids, room)
+        if seq.constraint is not None and draft:
+            draft = self._legal_prefix(seq, state, draft)
+        return draft
+
+    @staticmethod
+    def _legal_prefix(seq: Sequence, state: RowDrafts, draft: list[int]) -> list[int]:
+        """The drafts the row's grammar allows, keeping its state after each one."""
+        states: list[TokenConstraint] = []
+        current = seq.constraint
+        assert current is not None
+        for j, token in enumerate(draft):
+            if token in seq.request.finishing_ids:  # it ends the row: nothing after it matters
+                state.constraints = states
+                return draft[: j + 1]
+            current = current.fork()
+            if not current.advance(token):
+                draft = draft[:j]
+                break
+            states.append(current)
+        state.constraints = states
+        return draft
+
+
+class VerifyBatch:
+    """The positions a step chooses tokens at: one per row without drafts, 1 + k per drafted
+    row. `logits_index` picks each position's logits row from the step's output (None: as is)."""
+
+    def __init__(
+        self, items: list[WorkItem[Sequence]], rows: list[Sequence], row_items: list[int] | None
+    ) -> None:
+        offsets, total = [], 0
+        for item in items:
+            offsets.append(total)
+            total += 1 + len(item.draft)
+        self.rows = rows
+        self.drafts = [items[i].draft for i in (row_items or range(len(rows)))]
+        self.positions: list[Sequence | DraftPosition] = []
+        self.starts: list[int] = []
+        logits_rows: list[int] = []
+        for r, seq in enumerate(rows):
+            i = row_items[r] if row_items is not None else r
+            self.starts.append(len(self.positions))
+            self.positions.append(seq)
+            logits_rows.append(offsets[i])
+            draft = self.drafts[r]
+            for j in range(1, len(draft) + 1):
+                states = seq.drafts.constraints if seq.drafts is not None else []
+                # none after a finishing draft: the row ends there, that position is never kept
+                constraint = states[j - 1] if j <= len(states) else None
+                self.positions.append(
+                    DraftPosition(seq.request, [*seq.output_ids, *draft[:j]], constraint)
+                )
+                logits_rows.append(offsets[i] + j)
+        identity = row_items is None and len(logits_rows) == total
+        self.logits_index = None if identity else logits_rows
+        self._saved = {
+            r: gen.get_state()
+            for r, seq in enumerate(rows)
+            if self.drafts[r] and (gen := seq.request.generator) is not None
+        }
+
+    def choose(self, logits: torch.Tensor, eos_ids: frozenset[int]) -> tuple[Choices, torch.Tensor]:
+        """A token at every position (sampling_step.choose), and the positions' logits."""
+        if self.logits_index is not None:
+            index = torch.tensor(self.logits_index, dtype=torch.long, device=logits.device)
+            logits = logits.index_select(0, index)
+        return choose(self.positions, logits, eos_ids), logits
+
+    def span(self, rows: slice) -> slice:
+        """The positions of rows `rows` (rows without drafts: beams)."""
+        start = self.starts[rows.start]
+        return slice(start, start + rows.stop - rows.start)
+
+    def outcome(self, r: int, choices: Choices) -> RowOutcome:
+        """What row `r` keeps: its drafts up to the first one the chosen tokens differ from, and
+        the token chosen there (a seeded row's stream is left after one draw per kept token)."""
+        draft, start, seq = self.drafts[r], self.starts[r], self.rows[r]
+        chosen = choices.tokens[start : start + len(draft) + 1]
+        accepted = accepted_length(chosen, draft)
+        kept = accepted + 1
+        ends = [j for j in range(kept) if start + j in choices.no_token]
+        no_token = bool(ends)
+        if no_token:  # the kept tokens before that position were all drafts
+            kept = accepted = ends[0]
+        finishing = seq.request.finishing_ids
+        kept = next((j + 1 for j in range(kept) if chosen[j] in finishing), kept)
+        if r in self._saved:
+            rewind(seq.request.generator, self._saved[r], kept)
+        if draft and seq.drafts is not None:
+            seq.drafts.length.record(len(draft), accepted)
+        return RowOutcome(
+            chosen[:kept],
+            [choices.logprobs.get(start + j) for j in range(kept)],
+            drafted=len(draft),
+            accepted=accepted,
+            no_token=no_token,
+        )
+
+
+def rewind(generator: torch.Generator | None, state: torch.Tensor, draws: int) -> None:
+    """Put `generator` back to `state` and advance it by `draws` single draws, as a step that
+    draws one uniform number per row would have left it (sampling.uniform_draws)."""
+    if generator is None:
+        return
+    generator.set_state(state)
+    scratch = torch.empty(1, device=generator.device)
+    for _ in range(draws):
+        scratch.uniform_(generator=generator)
