@@ -69,21 +69,33 @@ def accepted_length(chosen: Sequence[int], draft: Sequence[int]) -> int:
 
 
 class DraftLength:
-    """How many tokens a row drafts: it grows while drafts are accepted, shrinks when they are
-    not, and a row whose drafts are mostly rejected stops drafting (each costs a forward position
-    and an LM-head row for nothing)."""
+    """How many tokens a row drafts: it grows while drafts are accepted and shrinks when most are
+    not. A row whose drafts gain too little (fewer than `min_gain` accepted per verifying step,
+    on average over recent steps) pauses for `pause` proposals, then tries again with one draft:
+    each draft costs a forward position and an LM-head row, a rejected one for nothing."""
 
-    def __init__(self, max_len: int, min_rate: float = 0.25, warm_up: int = 16) -> None:
+    def __init__(
+        self, max_len: int, min_gain: float = 0.5, warm_up: int = 4, pause: int = 16
+    ) -> None:
         self.max_len = max_len
         self.length = max_len
-        self.min_rate = min_rate
-        self.warm_up = warm_up  # drafted tokens seen before the rate may switch drafting off
+        self.min_gain = min_gain
+        self.warm_up = warm_up  # verifying steps before the gain may pause the row
+        self.pause = pause
+        self.gain = float(max_len)  # recent accepted drafts per verifying step (moving average)
+        self.steps = 0  # verifying steps since the row (re)started drafting
+        self.paused = 0  # proposals left to skip
         self.drafted = 0
         self.accepted = 0
 
-    @property
-    def enabled(self) -> bool:
-        return self.drafted < self.warm_up or self.accepted >= self.min_rate * self.drafted
+    def drafts_now(self) -> bool:
+        """Whether the row drafts at this proposal (a paused row counts the one it skips)."""
+        if self.paused:
+            self.paused -= 1
+            if not self.paused:  # try again, carefully
+                self.length, self.gain, self.steps = 1, float(self.max_len), 0
+            return False
+        return True
 
     def record(self, drafted: int, accepted: int) -> None:
         """A step verified `drafted` drafts of this row and kept `accepted` of them."""
@@ -91,10 +103,14 @@ class DraftLength:
             return
         self.drafted += drafted
         self.accepted += accepted
+        self.steps += 1
+        self.gain = 0.7 * self.gain + 0.3 * accepted if self.steps > 1 else float(accepted)
         if accepted == drafted:
-            self.length = min(self.max_len, self.length + 1)
+            self.length = min(self.max_len, self.length * 2)
         elif accepted < drafted // 2:
-            self.length = max(1, self.length - 1)
+            self.length = max(1, accepted + 1)
+        if self.steps >= self.warm_up and self.gain < self.min_gain:
+            self.paused = self.pause
 
 
 @dataclass(eq=False)

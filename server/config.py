@@ -132,7 +132,7 @@ class ServerConfig(BaseModel):
         "runs the next step; auto = on on CUDA, off on the CPU (its forward blocks the host)",
     )
     num_speculative_tokens: int = Field(
-        0,
+        8,
         ge=0,
         le=16,
         description="n-gram speculation (prompt lookup): a decoding row drafts up to this many "

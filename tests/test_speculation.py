@@ -25,8 +25,9 @@ from server.engine.request import EngineRequest, Sequence
 from server.engine.speculation import VerifyBatch
 from server.work import WorkItem
 from tests.conftest import make_engine, serving_context
-from tests.engine_driver import Collected, run_to_completion, submit
+from tests.engine_driver import Collected, generate, run_to_completion, submit
 from tests.test_constrained_decoding import submit as submit_constrained
+from tests.test_engine_correctness import hf_greedy
 from tests.test_metrics_wiring import samples
 from tests.test_overlap_outputs import PROMPTS, free_run_text
 
@@ -58,17 +59,21 @@ def test_accepted_length_counts_leading_agreements() -> None:
     assert accepted_length([1], []) == 0
 
 
-def test_draft_length_adapts_and_switches_a_row_off() -> None:
-    length = DraftLength(max_len=4, min_rate=0.25, warm_up=8)
-    length.record(4, 0)
-    assert length.length == 3 and length.enabled  # still warming up
-    length.record(3, 0)
-    length.record(2, 2)
-    assert length.length == 3
-    assert DraftLength(4).enabled  # a fresh row drafts
-    length.record(3, 0)
-    assert length.drafted >= 8 and length.accepted / length.drafted < 0.25
-    assert not length.enabled
+def test_draft_length_adapts_and_pauses_a_row_whose_drafts_gain_little() -> None:
+    length = DraftLength(max_len=8, min_gain=0.5, warm_up=3, pause=5)
+    assert length.drafts_now() and length.length == 8  # a fresh row drafts all it may
+    length.record(8, 2)
+    assert length.length == 3  # most were rejected: the kept run and one more
+    length.record(3, 3)
+    assert length.length == 6  # all kept: it doubles (up to max_len)
+    length.record(6, 6)
+    assert length.length == 8 and length.drafts_now()
+    for _ in range(5):
+        length.record(1, 0)
+    assert length.drafts_now()  # the recent gain (a moving average) is not below 0.5 yet
+    length.record(1, 0)
+    assert [length.drafts_now() for _ in range(6)] == [False] * 5 + [True]  # paused, then retried
+    assert length.length == 1 and length.drafted == 23 and length.accepted == 11
 
 
 # ---- inside the engine --------------------------------------------------------------------------
@@ -162,6 +167,24 @@ def test_speculation_changes_no_output_of_a_mixed_batch(llama_dir: Path, overlap
         assert_all_blocks_back(engine)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "mistral"])
+def test_greedy_tokens_with_speculation_equal_hf_generate(
+    arch: str, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """Verified chunks attend like prefill chunks (sliding windows, softcapping included): the
+    tokens are HF's, alone and in a batch."""
+    model_dir = tiny_model_dirs[arch]
+    texts = [*LOOPING, *PROMPTS[:3]]
+    expected = [hf_greedy(model_dir, text, 40) for text in texts]
+    engine = make_engine(model_dir, speculative_tokens=K, max_num_batched_tokens=32)
+    prompts = [engine.tokenizer(text).input_ids for text in texts]
+    params = DecodingParams(max_tokens=40, temperature=0)
+    assert [r.token_ids for r in generate(engine, prompts, params)] == expected
+    assert generate(engine, prompts[:1], params)[0].token_ids == expected[0]
+    assert engine.stats_snapshot()["spec_decode_num_accepted_tokens"] > 0
+    assert_all_blocks_back(engine)
+
+
 def test_greedy_rows_alone_accept_most_drafts_and_take_fewer_steps(llama_dir: Path) -> None:
     """A row that repeats itself: every draft after the first repeats is verified at once."""
     steps = []
@@ -242,13 +265,14 @@ def test_drafts_fit_the_step_budget(llama_dir: Path) -> None:
     assert_all_blocks_back(engine)
 
 
-def test_off_by_default(llama_dir: Path) -> None:
-    off = make_engine(llama_dir)
-    prompt = off.tokenizer(PROMPTS[3]).input_ids
+def test_on_by_default_and_off_by_the_switch(llama_dir: Path) -> None:
+    assert ServerConfig().num_speculative_tokens == 8
+    assert ServerConfig(num_speculative_tokens=0).num_speculative_tokens == 0
+    off = make_engine(llama_dir, speculative_tokens=0)
+    prompt = off.tokenizer(LOOPING[0]).input_ids
     submit(off, "r", prompt, DecodingParams(max_tokens=40, temperature=0.0))
     run_to_completion(off)
     assert off.stats_snapshot()["spec_decode_num_drafts"] == 0
-    assert ServerConfig().num_speculative_tokens == 0
 
 
 async def test_drafted_and_accepted_tokens_in_metrics_and_stats(llama_dir: Path) -> None:

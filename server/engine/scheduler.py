@@ -10,8 +10,9 @@ allow. When the pool cannot hold the running set, the youngest running request i
 blocks are freed and it is recomputed later.
 
 With speculation (speculation.py), a running row that decodes may add draft tokens after its own,
-within the step's budget and the free blocks (drafts never preempt anyone); once verified, the
-row keeps the accepted ones (`accept_drafts`) and the blocks of the rejected ones are freed.
+from the budget and the free blocks that remain once every running and admitted row has its
+share (drafts never preempt or delay anyone); once verified, the row keeps the accepted ones
+(`accept_drafts`) and the blocks of the rejected ones are freed.
 
 With prefix caching, a waiting request's rows first take over the cached blocks of their leading
 tokens (prefix_cache.py), so only the rest is computed and counted against the pool; a request that
@@ -138,10 +139,8 @@ class Scheduler:
             except OutOfBlocks:
                 self._preempt(self.running.pop(), plan)
                 continue
-            budget -= sum(item.num_new for item in items)
-            if self.propose is not None:
-                budget -= self._add_drafts(items, budget)
             plan.items.extend(items)
+            budget -= sum(item.num_new for item in items)
             i += 1
         while self.waiting and budget > 0 and not plan.preempted:
             request = self.waiting[0]
@@ -164,10 +163,13 @@ class Scheduler:
             self.running.append(request)
             plan.items.extend(items)
             budget -= sum(item.num_new for item in items)
+        if self.propose is not None and budget > 0:  # last: drafts take only what is left
+            self._add_drafts(plan.items, budget)
         return plan
 
-    def _add_drafts(self, items: list[WorkItem[Sequence]], budget: int) -> int:
-        """Drafts for the items that decode one token, in the room left; returns their count."""
+    def _add_drafts(self, items: list[WorkItem[Sequence]], budget: int) -> None:
+        """Drafts for the items that decode one token, in the budget and the blocks left once
+        everything else of the step has its share."""
         assert self.propose is not None
         added = 0
         for item in items:
@@ -187,7 +189,6 @@ class Scheduler:
                 item.draft = draft
                 item.num_new += len(draft)
                 added += len(draft)
-        return added
 
     def accept_drafts(self, seq: Sequence, accepted: int) -> None:
         """A verified row keeps `accepted` of its drafts (already appended to its tokens): they

@@ -64,7 +64,7 @@ class Speculator:
         state = seq.drafts
         if state is None:
             state = seq.drafts = RowDrafts(DraftLength(self.num_tokens))
-        if not state.length.enabled:
+        if not state.length.drafts_now():
             return []
         room = min(
             room,
