@@ -964,7 +964,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine_settings = [s.strip() for s in args.engine_process.split(",") if s.strip()]
     if not engine_settings or not set(engine_settings) <= {"off", "on", "auto"}:
         raise SystemExit(f"--engine-process takes off, on, auto; got {args.engine_process!r}")
-    server_args = ["--max-num-seqs", str(args.max_num_seqs or c), *shlex.split(args.server_args)]
+    # speculation off unless asked for: the fit reads rows per step as tokens per step
+    server_args = [
+        "--max-num-seqs",
+        str(args.max_num_seqs or c),
+        "--num-speculative-tokens",
+        "0",
+        *shlex.split(args.server_args),
+    ]
     out_dir: Path = args.out or DEFAULT_OUT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()

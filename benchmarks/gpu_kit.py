@@ -35,6 +35,7 @@ KIT_TESTS = (
     "tests/test_overlap_outputs.py",
     "tests/test_host_syncs.py",
     "tests/test_engine_process.py",
+    "tests/test_speculation.py",
     "tests/test_engine_correctness.py",
     "tests/test_decoding_hf_parity.py",
     "tests/test_strategies.py",

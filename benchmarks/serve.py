@@ -557,10 +557,8 @@ def measure_variants(args: argparse.Namespace, workload: Workload) -> list[Syste
     systems = []
     for label, flags in args.variants:
         extra = ["--dtype", args.dtype, "--device", args.device, *shlex.split(flags)]
-        with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (
-            url,
-            _,
-        ):
+        log_path = server_log_path(args).with_name(f"beamline-{label}.log")
+        with launched_beamline(args.model, log_path, extra, args.launch_timeout) as (url, _):
             result, _model = asyncio.run(_measure(args, url, workload, label))
         result.kind = "server-variant"
         result.info["launch_args"] = extra

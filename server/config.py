@@ -104,7 +104,7 @@ class ServerConfig(BaseModel):
         "weight per call at any batch size), measured (the decoder transposed, the LM head in "
         "both layouts, each call using the one timed faster at start-up for its row count), "
         "transposed (weights stored [in, out]) or native (as loaded); auto = onednn where it is "
-        "timed faster than both plain layouts at start-up (not with torch_compile), else "
+        "timed faster than the better plain layout at start-up (not with torch_compile), else "
         "measured; native on CUDA",
     )
     attention_backend: Literal["auto", "gather", "triton"] = Field(

@@ -194,3 +194,15 @@ def test_the_timing_compares_onednn_with_both_plain_layouts() -> None:
         linear,
         "native",
     )
+
+
+def test_the_layout_benchmark_times_every_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import linear_layouts
+
+    table = linear_layouts.time_layouts(64, 32, [1, 4], repeats=1)
+    assert set(table) == {"MKL native (nn.Linear)", "MKL transposed", "oneDNN prepacked"}
+    assert all(len(t) == 2 and min(t) > 0 for t in table.values())
+    assert (
+        linear_layouts.main(["--out-features", "64", "--in-features", "32", "--rows", "1,2"]) == 0
+    )
+    assert "oneDNN speed-up" in capsys.readouterr().out
