@@ -48,7 +48,6 @@ import json
 import os
 import random
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -66,7 +65,7 @@ import httpx
 import torch
 
 from benchmarks.client import CompletionTarget, make_client, stream_completion
-from benchmarks.launch import REPO_ROOT, LaunchError, free_port, wait_healthy
+from benchmarks.launch import REPO_ROOT, LaunchError, free_port, stop, wait_healthy
 from benchmarks.random_models import SHAPES, build_random_model, word_of
 from benchmarks.stats import RequestResult
 from benchmarks.workload import BenchRequest
@@ -552,13 +551,7 @@ def launched_server(
             wait_healthy(base_url, timeout_s, proc)
             yield base_url, proc, names
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            stop(proc)
 
 
 def server_classifier(

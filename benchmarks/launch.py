@@ -77,7 +77,8 @@ def first_model_id(base_url: str, api_key: str | None = None) -> str:
     return str(data[0]["id"])
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM (a server drains and exits), then SIGKILL after `grace_s` seconds."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)  # beamline drains in-flight requests and exits 0
@@ -118,4 +119,4 @@ def launched_beamline(
                 ) from None
             yield base_url, ready
         finally:
-            _stop(proc)
+            stop(proc)

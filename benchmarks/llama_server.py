@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from benchmarks.client import CompletionTarget, run_concurrency
-from benchmarks.launch import LaunchError, first_model_id, free_port, wait_healthy
+from benchmarks.launch import LaunchError, first_model_id, free_port, stop, wait_healthy
 from benchmarks.report import Run, SystemResult
 from benchmarks.stats import summarize
 from benchmarks.workload import BenchRequest
@@ -144,12 +144,7 @@ def launched(
             wait_healthy(f"http://127.0.0.1:{port}", timeout_s, proc)
             yield f"http://127.0.0.1:{port}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop(proc)
 
 
 def measure(

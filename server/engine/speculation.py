@@ -103,14 +103,19 @@ class VerifyBatch:
     def __init__(
         self, items: list[WorkItem[Sequence]], rows: list[Sequence], row_items: list[int] | None
     ) -> None:
+        self.rows = rows
+        self.drafts = [items[i].draft for i in (row_items or range(len(rows)))]
+        self._saved: dict[int, torch.Tensor] = {}
+        self.positions: list[Sequence | DraftPosition]
+        if not any(self.drafts):  # the common step: one position per row, no loop over rows
+            self.positions, self.starts = list(rows), list(range(len(rows)))
+            self.logits_index = row_items
+            return
         offsets, total = [], 0
         for item in items:
             offsets.append(total)
             total += 1 + len(item.draft)
-        self.rows = rows
-        self.drafts = [items[i].draft for i in (row_items or range(len(rows)))]
-        self.positions: list[Sequence | DraftPosition] = []
-        self.starts: list[int] = []
+        self.positions, self.starts = [], []
         logits_rows: list[int] = []
         for r, seq in enumerate(rows):
             i = row_items[r] if row_items is not None else r
@@ -118,8 +123,12 @@ class VerifyBatch:
             self.positions.append(seq)
             logits_rows.append(offsets[i])
             draft = self.drafts[r]
+            if not draft:
+                continue
+            if (gen := seq.request.generator) is not None:
+                self._saved[r] = gen.get_state()
+            states = seq.drafts.constraints if seq.drafts is not None else []
             for j in range(1, len(draft) + 1):
-                states = seq.drafts.constraints if seq.drafts is not None else []
                 # none after a finishing draft: the row ends there, that position is never kept
                 constraint = states[j - 1] if j <= len(states) else None
                 self.positions.append(
@@ -128,11 +137,6 @@ class VerifyBatch:
                 logits_rows.append(offsets[i] + j)
         identity = row_items is None and len(logits_rows) == total
         self.logits_index = None if identity else logits_rows
-        self._saved = {
-            r: gen.get_state()
-            for r, seq in enumerate(rows)
-            if self.drafts[r] and (gen := seq.request.generator) is not None
-        }
 
     def choose(self, logits: torch.Tensor, eos_ids: frozenset[int]) -> tuple[Choices, torch.Tensor]:
         """A token at every position (sampling_step.choose), and the positions' logits."""
@@ -150,6 +154,10 @@ class VerifyBatch:
         """What row `r` keeps: its drafts up to the first one the chosen tokens differ from, and
         the token chosen there (a seeded row's stream is left after one draw per kept token)."""
         draft, start, seq = self.drafts[r], self.starts[r], self.rows[r]
+        if not draft:  # a plain row: its one chosen token, or none
+            if start in choices.no_token:
+                return RowOutcome([], [], 0, 0, no_token=True)
+            return RowOutcome([choices.tokens[start]], [choices.logprobs.get(start)], 0, 0)
         chosen = choices.tokens[start : start + len(draft) + 1]
         accepted = accepted_length(chosen, draft)
         kept = accepted + 1
@@ -161,7 +169,7 @@ class VerifyBatch:
         kept = next((j + 1 for j in range(kept) if chosen[j] in finishing), kept)
         if r in self._saved:
             rewind(seq.request.generator, self._saved[r], kept)
-        if draft and seq.drafts is not None:
+        if seq.drafts is not None:
             seq.drafts.length.record(len(draft), accepted)
         return RowOutcome(
             chosen[:kept],
