@@ -36,6 +36,24 @@ def decode_inputs(rows: Sequence[Row]) -> tuple[list[list[int]], list[int], list
     )
 
 
+def verify_inputs(
+    items: Sequence[WorkItem[Row]],
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """`decode_inputs` of rows that add their pending token and their drafts: each draft is one
+    more query row of the decode batch, with the row's block table and its own position. Every
+    layer writes the step's keys and values before it attends, so a draft's query sees the
+    drafts before it."""
+    tables: list[list[int]] = []
+    tokens: list[int] = []
+    positions: list[int] = []
+    for item in items:
+        seq, start = item.seq, item.seq.num_computed
+        tables += [seq.block_table] * item.num_new
+        tokens += [seq.token_ids[start], *item.draft]
+        positions += range(start, start + item.num_new)
+    return tables, tokens, positions
+
+
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """A host list as a long tensor on `device`. On CUDA the copy comes from pinned memory and
     does not block the host: a plain copy waits for every queued kernel, which would end the

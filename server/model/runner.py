@@ -33,7 +33,7 @@ from server.model.kv_budget import (
     worst_case_items,
 )
 from server.model.kv_pool import AttentionBinding, KVLayout, paged_kernel
-from server.model.packing import PackedStep, decode_inputs, pack_step
+from server.model.packing import PackedStep, decode_inputs, pack_step, verify_inputs
 from server.model.quantization import (
     quantize_decoder_w8a8,
     quantize_decoder_weights,
@@ -271,12 +271,14 @@ class ModelRunner:
         """Run `items` as one forward pass: logits of the items that sample, in order, and the
         logprobs of the positions the items ask to score."""
         self.kv_cache.copy_blocks(copies)
-        if items and all(item.num_new == 1 and item.samples for item in items):
+        if items and all(item.num_new == 1 + len(item.draft) and item.samples for item in items):
             seqs = [item.seq for item in items]
-            if self.graphs is not None and self.graphs.fits(seqs):
+            drafts = any(item.draft for item in items)
+            if not drafts and self.graphs is not None and self.graphs.fits(seqs):
                 return StepOutput(self.graphs.run(*decode_inputs(seqs)))
-            if self.attention_backend != "triton":
-                return StepOutput(self._decode_step(*decode_inputs(seqs)))
+            if self.attention_backend != "triton":  # drafts: one decode query row each
+                inputs = verify_inputs(items) if drafts else decode_inputs(seqs)
+                return StepOutput(self._decode_step(*inputs))
         return self._execute_packed(items)
 
     def _execute_packed(self, items: Sequence[WorkItem]) -> StepOutput:
