@@ -45,8 +45,7 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         loaded.engine.use_metrics(metrics)
         in_thread = AsyncEngine(loaded.engine)
         in_thread.start(warm_up=loaded.runner.warm_up)  # compiled and recorded where steps run
-        if config.torch_compile:
-            log.info("decode step compiled in %.0f s", time.monotonic() - started)
+        log.info("engine ready in %.0f s", time.monotonic() - started)
         engine, tokenizer, vocab_size = in_thread, loaded.tokenizer, loaded.runner.vocab_size
         model_dir = loaded.model_dir
     ctx = ServingContext(

@@ -89,7 +89,10 @@ class ServerConfig(BaseModel):
         None, description="HF model directory or .gguf file; empty = default (Gemma 3 270M)"
     )
     served_model_name: str | None = Field(None, description="model id reported by the API")
-    cache_dir: Path | None = Field(None, description="where converted GGUF models are kept")
+    cache_dir: Path | None = Field(
+        None,
+        description="where converted GGUF models and compiled decode steps are kept",
+    )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: DType = Field("auto", description="auto = bfloat16 on CUDA, float32 on the CPU")
     quantization: Quantization = Field(

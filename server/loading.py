@@ -17,7 +17,7 @@ from server.config import ServerConfig, with_device_defaults
 from server.engine.engine import Engine
 from server.model.devices import pick_device, pick_dtype
 from server.model.kv_budget import KVBudget
-from server.model.loader import resolve_model_dir
+from server.model.loader import default_cache_dir, resolve_model_dir
 from server.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     log.info("torch intra-op threads: %d", torch.get_num_threads())
+    compile_cache = (config.cache_dir or default_cache_dir()) / "compiled"
+    if config.torch_compile:  # inductor's kernels too, unless its cache is set elsewhere
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
     runner = ModelRunner(
         model_dir,
         device=device,
@@ -70,6 +73,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         linear_layout=config.linear_layout,
         attention_backend=config.attention_backend,
         compile_decode=config.torch_compile,
+        compile_cache=compile_cache,
         cuda_graphs=config.cuda_graphs and device.type == "cuda",
     )
     tokenizer = load_tokenizer(model_dir)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ from decoding import DecodingParams
 from server.config import ServerConfig, load_config
 from server.engine.engine import Engine
 from server.model.attention import DecodeStep
+from server.model.compiled_decode import cache_key, model_identity
 from server.model.runner import ModelRunner
 from tests.conftest import make_engine
 from tests.engine_driver import generate
@@ -41,7 +45,10 @@ def test_decode_step_reads_each_rows_history_through_its_block_table() -> None:
 
 
 def compiled_engine(
-    model_dir: Path, quantization: str = "none", compile_decode: bool = True
+    model_dir: Path,
+    quantization: str = "none",
+    compile_decode: bool = True,
+    compile_cache: Path | None = None,
 ) -> Engine:
     runner = ModelRunner(
         model_dir,
@@ -51,6 +58,7 @@ def compiled_engine(
         num_blocks=256,
         quantization=quantization,
         compile_decode=compile_decode,
+        compile_cache=compile_cache,
     )
     runner.warm_up()
     return Engine(runner, make_engine(model_dir).tokenizer, max_num_batched_tokens=16)
@@ -140,3 +148,76 @@ def test_without_a_compiler_torch_compile_stops_start_up_with_a_clear_message(
             num_blocks=16,
             compile_decode=True,
         )
+
+
+# A later start, in a process of its own: loads the two graphs (compiling is made to fail), then
+# prints the greedy tokens of each prompt, one line per prompt.
+LATER_START = """
+import sys
+from pathlib import Path
+import torch
+from server.model.compiled_decode import CompiledDecode
+from tests.test_torch_compile import compiled_engine, later_start_tokens
+
+def refuse(*args):
+    raise AssertionError("compiled again instead of loading")
+
+CompiledDecode._compile = refuse
+engine = compiled_engine(Path(sys.argv[1]), compile_cache=Path(sys.argv[2]))
+assert engine.runner.compiled_decode.source == "loaded"
+for tokens in later_start_tokens(engine):
+    print(tokens)
+"""
+
+
+def later_start_tokens(engine: Engine) -> list[list[int]]:
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    params = DecodingParams(max_tokens=20, temperature=0)
+    return [r.token_ids for r in generate(engine, prompts, params)]
+
+
+def test_a_later_start_loads_the_compiled_decode_step_from_the_cache_and_gives_hf_tokens(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_dirs["gemma3"]
+    first = compiled_engine(model_dir, compile_cache=tmp_path)
+    compiled = first.runner.compiled_decode
+    assert compiled is not None and compiled.source == "compiled"
+    assert compiled.directory is not None
+    assert sorted(p.name for p in compiled.directory.iterdir()) == ["decode-1.bin", "decode-2.bin"]
+    done = subprocess.run(
+        [sys.executable, "-c", LATER_START, str(model_dir), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "running it eagerly" not in done.stderr  # every step went through the loaded graphs
+    expected = [hf_greedy(model_dir, p, 20) for p in PROMPTS]
+    assert [json.loads(line) for line in done.stdout.splitlines()] == expected
+
+
+def test_an_unreadable_cache_entry_is_compiled_again_and_replaced(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_dirs["gemma3"]
+    first = compiled_engine(model_dir, compile_cache=tmp_path).runner.compiled_decode
+    assert first is not None and first.directory is not None
+    (first.directory / "decode-2.bin").write_bytes(b"truncated")
+    again = compiled_engine(model_dir, compile_cache=tmp_path)
+    assert again.runner.compiled_decode is not None
+    assert again.runner.compiled_decode.source == "compiled"
+    assert (first.directory / "decode-2.bin").stat().st_size > 1000
+    assert later_start_tokens(again) == [hf_greedy(model_dir, p, 20) for p in PROMPTS]
+
+
+def test_the_cache_key_changes_with_model_flags_and_software(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    identity = {"model": model_identity(tiny_model_dirs["gemma3"]), "quantization": "none"}
+    key = cache_key(identity)
+    assert cache_key(dict(identity)) == key
+    assert cache_key({**identity, "quantization": "w8a8"}) != key
+    assert cache_key({**identity, "model": model_identity(tiny_model_dirs["llama"])}) != key
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert cache_key(identity) != key

@@ -43,6 +43,9 @@ class DecodeStep:
     gather: torch.Tensor  # [B, L] flat slots of each row's history (and the new token), padded
     lengths: torch.Tensor  # [B, 1] tokens each row attends over
     positions: torch.Tensor  # [1, L] 0..L-1, to mask padding and out-of-window keys
+    # the pools to attend over, passed in rather than found through the registered attention
+    # function: an ahead-of-time compiled decoder then reads them from its arguments (compiled.py)
+    kv: PagedKVCache | None = None
 
     @classmethod
     def build(
@@ -249,7 +252,8 @@ def make_paged_attention(cache: PagedKVCache, kernel: PagedKernel | None = None)
         ctx = beamline_ctx
         layer = cast(int, module.layer_idx)
         scale = cast(int, module.head_dim) ** -0.5 if scaling is None else scaling
-        k_pool, v_pool = cache.keys[layer], cache.values[layer]
+        pools = ctx.kv if isinstance(ctx, DecodeStep) and ctx.kv is not None else cache
+        k_pool, v_pool = pools.keys[layer], pools.values[layer]
         # index_copy_/index_select: several times faster on CPU than advanced-index assignment.
         k_pool.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype))
         v_pool.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
+from server.model.compiled_decode import (
+    CompiledDecode,
+    cache_key,
+    decode_forward,
+    model_identity,
+)
 from server.model.cpu_linear import apply_linear_layout
 from server.model.cuda_graphs import DecodeGraphs
 from server.model.devices import dtype_warning, quantization_problem
@@ -92,6 +99,7 @@ class ModelRunner:
         quantization: str = "none",
         linear_layout: str = "auto",
         compile_decode: bool = False,
+        compile_cache: Path | None = None,
         cuda_graphs: bool = False,
         attention_backend: str = "gather",
     ) -> None:
@@ -178,11 +186,22 @@ class ModelRunner:
         # Decode-only steps (every sequence adds one token) may run through torch.compile (on
         # the gather path): it fuses the element-wise glue between the matmuls and drops most of
         # the per-op dispatch cost, about half of a one-row step on the CPU. Shapes are dynamic
-        # (rows, context width), so one graph serves every batch size >= 2 and one a single row.
+        # (rows, context width), so one graph serves every batch size >= 2 and one a single row;
+        # both are kept under `compile_cache` for the next start (compiled_decode.py).
         self.compile_decode = compile_decode
-        self._run_decode = (
-            torch.compile(self._run_decoder, dynamic=True) if compile_decode else self._run_decoder
-        )
+        self.compiled_decode: CompiledDecode | None = None
+        if compile_decode:
+            identity = {
+                "model": model_identity(model_dir),
+                "device": device.type,
+                "dtype": str(dtype),
+                "quantization": quantization,
+                "linear_layout": self.linear_layout,
+                "block_size": str(block_size),
+            }
+            directory = compile_cache / cache_key(identity) if compile_cache else None
+            self.compiled_decode = CompiledDecode(self.decoder, directory)
+        self._run_decode = self.compiled_decode or self._run_decoder
 
     def eos_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
         """The model's end-of-sequence ids: its generation config's and the tokenizer's."""
@@ -205,14 +224,8 @@ class ModelRunner:
         position_ids: torch.Tensor,
         ctx: StepContext | DecodeStep | PagedStep,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] of the packed tokens."""
-        return self.decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=None,
-            use_cache=False,
-            beamline_ctx=ctx,
-        ).last_hidden_state[0]
+        """Hidden states [T, hidden] of the packed tokens (eagerly, the compiled step's code)."""
+        return decode_forward(self.decoder, input_ids, position_ids, ctx)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden.to(self.head_dtype)).float()
@@ -238,14 +251,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Before serving, in the thread that will step: capture the decode graphs, or compile
-        the decode step (one single-row step and one two-row step on the slots of block 0:
-        nothing is cached yet, every block is written before it is read)."""
+        """Before serving, in the thread that will step: capture the decode graphs, or load or
+        compile the decode step and run it once with one row and with two."""
         if self.graphs is not None:
             self.graphs.capture()
-        if self.compile_decode:
-            for positions in ([1], [1, 2]):
-                self._decode_step([[0]] * len(positions), [0] * len(positions), positions)
+        if self.compiled_decode is not None:
+            started = time.monotonic()
+            source = self.compiled_decode.prepare(self._example_decode)
+            where = self.compiled_decode.directory
+            log.info("decode step %s in %.1f s (%s)", source, time.monotonic() - started, where)
+            for rows in (1, 2):
+                self._run_decode(*self._example_decode(rows))
+
+    def _example_decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
+        """Inputs of a decode step of `rows` rows on the slots of block 0 (before serving: no
+        sequence owns it yet)."""
+        positions = list(range(1, rows + 1))
+        lengths = [p + 1 for p in positions]
+        ctx = DecodeStep.build([[0]] * rows, lengths, self.block_size, self.device)
+        ctx.kv = self.kv_cache
+        input_ids = torch.zeros((1, rows), dtype=torch.long, device=self.device)
+        return input_ids, torch.tensor([positions], device=self.device), ctx
 
     def _decode_step(
         self, tables: list[list[int]], tokens: list[int], positions: list[int]
@@ -260,10 +286,7 @@ class ModelRunner:
     def _decode(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep
     ) -> torch.Tensor:
-        if self.compile_decode:
-            # the context width (>= 2) varies every step: never specialize on it
-            torch._dynamo.mark_dynamic(ctx.gather, 1)
-            torch._dynamo.mark_dynamic(ctx.positions, 1)
+        ctx.kv = self.kv_cache  # the compiled step takes the pools as an input
         return self._run_decode(input_ids, position_ids, ctx)
 
     @torch.inference_mode()

@@ -1,0 +1,227 @@
+"""The decode step compiled ahead of time (`--torch-compile`) and kept on disk between starts.
+
+A plain `torch.compile` re-traces the whole decoder with dynamo at every start, even when
+inductor's own cache has the kernels: about a minute for Gemma 3 on a 2-core CPU. Here the step is
+captured with `aot_compile` (one full graph, its guards, inductor's output) and saved under
+beamline's cache; a later start with the same model, flags, software and CPU loads it in seconds.
+
+Dynamo specialises a dimension of size one, so there are two graphs: one row, and any number of
+rows from two up. The KV pools reach the graph through the step context (`DecodeStep.kv`), not
+through the attention function's closure, so every input is an argument and every guard can be
+saved. The guards still run on each call; one that fails falls back to the eager decoder, with a
+warning, never to a wrong result. A model whose decoder does not trace as one graph is compiled
+the plain way (nothing cached).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import logging
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from server.model.attention import DecodeStep, PagedStep, StepContext
+
+log = logging.getLogger(__name__)
+ExampleInputs = Callable[[int], tuple[torch.Tensor, torch.Tensor, DecodeStep]]
+Source = Literal["loaded", "compiled", "jit"]
+# Rows of the two graphs' example steps; any row count >= 2 runs the second graph.
+GRAPH_ROWS = (1, 2)
+
+
+def decode_forward(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    ctx: StepContext | DecodeStep | PagedStep,
+) -> torch.Tensor:
+    """Hidden states [T, hidden] of a step's packed tokens: the function compiled for decode
+    steps, which runs every other step eagerly. It calls the decoder's own forward without
+    transformers' wrappers: they fill in defaults this call passes explicitly, and the
+    output-capturing one reads a process-wide registry of model classes whose order differs
+    between processes, which a saved guard would then not find."""
+    forward = inspect.unwrap(type(decoder).forward)
+    return forward(
+        decoder,
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=None,
+        use_cache=False,
+        beamline_ctx=ctx,
+    ).last_hidden_state[0]
+
+
+def cache_key(identity: dict[str, str]) -> str:
+    """A digest of everything the compiled graphs depend on: the caller's `identity` (model,
+    number formats, layouts), the software that traced and built them, beamline's model code (the
+    guards do not check source) and the CPU's instruction set (inductor's kernels are built for
+    it)."""
+    parts = dict(identity)
+    parts["python"] = platform.python_version()
+    parts["torch"] = torch.__version__
+    parts["transformers"] = importlib.metadata.version("transformers")
+    parts["cpu"] = f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+    code = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        code.update(path.read_bytes())
+    parts["beamline_model_code"] = code.hexdigest()
+    text = "\n".join(f"{k}={v}" for k, v in sorted(parts.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_identity(model_dir: Path) -> str:
+    """The model's config and its weight files' names, sizes and modification times."""
+    digest = hashlib.sha256(str(model_dir.resolve()).encode())
+    for path in sorted(model_dir.iterdir()):
+        if path.name == "config.json":
+            digest.update(path.read_bytes())
+        elif path.suffix in (".safetensors", ".bin", ".gguf"):
+            stat = path.stat()
+            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def _saveable_guards(entries: Sequence[Any]) -> list[bool]:
+    """Keep every guard that can be saved: not on globals (module objects, builtins), not on
+    object identities, which differ from one process to the next. Nor on the name of the attention
+    function: each runner registers its own (kv_pool.AttentionBinding), all of them the same code,
+    and the compiled step takes its pools from the step context, so only the name would differ."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaveable = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [
+        not (
+            e.is_global
+            or e.guard_type in unsaveable
+            or unsaveable & set(e.derived_guard_types)
+            or e.name.endswith(".config._attn_implementation_internal")
+        )
+        for e in entries
+    ]
+
+
+def _misfit(graph: Any, decoder: nn.Module, inputs: tuple[Any, ...]) -> str | None:
+    """Why the guards of a loaded graph refuse `inputs` (None: they accept them)."""
+    if graph.guard_check(decoder, *inputs):
+        return None
+    f_locals = graph.prepare_f_locals(decoder, *inputs)
+    return "; ".join(graph._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)
+
+
+class CompiledDecode:
+    """`decode_forward` of one decoder, compiled: call `prepare` once, then call it per step."""
+
+    def __init__(self, decoder: nn.Module, directory: Path | None) -> None:
+        self.decoder = decoder
+        self.directory = directory  # None: compile, keep nothing on disk
+        self.graphs: list[Any] = []
+        self.jit: Callable[..., torch.Tensor] | None = None
+        self.source: Source | None = None
+        self._warned = False
+
+    def prepare(self, example: ExampleInputs) -> Source:
+        """Load both graphs from the cache directory or compile (and save) them."""
+        if self.directory is not None and (graphs := self._load()) is not None:
+            misfits = [_misfit(g, self.decoder, example(r)) for g, r in zip(graphs, GRAPH_ROWS)]
+            if not any(misfits):
+                self._use(graphs, "loaded")
+                return "loaded"
+            why = "; ".join(m for m in misfits if m)
+            log.warning(
+                "compiled decode step in %s does not fit (%s): compiling", self.directory, why
+            )
+        try:
+            self.graphs = [self._compile(example(rows)) for rows in GRAPH_ROWS]
+        except Exception as error:  # a graph break, an op dynamo cannot trace
+            log.warning("decode step not compiled ahead of time (%s): plain torch.compile", error)
+            self.jit = torch.compile(decode_forward, dynamic=True)
+            self.source = "jit"
+            return self.source
+        self._use(self.graphs, "compiled")
+        if self.directory is not None:
+            self._save()
+        return "compiled"
+
+    def _use(self, graphs: list[Any], source: Source) -> None:
+        for graph in graphs:  # checked once per call in __call__, not twice
+            graph.disable_guard_check()
+        self.graphs, self.source = graphs, source
+
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep
+    ) -> torch.Tensor:
+        if self.jit is not None:
+            # the context width (>= 2) varies every step: never specialize on it
+            torch._dynamo.mark_dynamic(ctx.gather, 1)
+            torch._dynamo.mark_dynamic(ctx.positions, 1)
+            return self.jit(self.decoder, input_ids, position_ids, ctx)
+        if not self.graphs:
+            raise RuntimeError("CompiledDecode.prepare was not called")
+        graph = self.graphs[0 if input_ids.shape[1] == 1 else 1]
+        args = (self.decoder, input_ids, position_ids, ctx)
+        if graph.guard_check(*args):
+            return graph(*args)
+        if not self._warned:  # never expected: the cache key covers what the guards check
+            self._warned = True
+            log.warning("the compiled decode step does not fit this step; running it eagerly")
+        return decode_forward(*args)
+
+    def _compile(self, inputs: tuple[torch.Tensor, torch.Tensor, DecodeStep]) -> Any:
+        input_ids, position_ids, ctx = inputs
+        torch._dynamo.mark_dynamic(ctx.gather, 1)
+        torch._dynamo.mark_dynamic(ctx.positions, 1)
+        compiler: Any = torch.compile(
+            decode_forward,
+            fullgraph=True,
+            dynamic=True,
+            options={"guard_filter_fn": _saveable_guards},
+        )
+        # a dynamic float would restart the analysis, which aot_compile cannot do
+        with torch._dynamo.config.patch(specialize_float=True):
+            graph = compiler.aot_compile(((self.decoder, input_ids, position_ids, ctx), {}))
+        for tensor in (ctx.gather, ctx.positions):  # the markings would fail the guards
+            for mark in ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices"):
+                if hasattr(tensor, mark):
+                    delattr(tensor, mark)
+        return graph
+
+    def _paths(self) -> list[Path]:
+        assert self.directory is not None
+        return [self.directory / f"decode-{rows}.bin" for rows in GRAPH_ROWS]
+
+    def _load(self) -> list[Any] | None:
+        paths = self._paths()
+        if not all(p.is_file() for p in paths):
+            return None
+        # the graphs' code names the modules it calls as globals of this form (dynamo's)
+        modules: dict[str, object] = {
+            "__import_" + name.replace(".", "_dot_"): module
+            for name, module in list(sys.modules.items())
+            if module is not None
+        }
+        try:
+            graphs = []
+            for path in paths:
+                with path.open("rb") as file:
+                    graphs.append(torch.compiler.load_compiled_function(file, f_globals=modules))
+        except Exception as error:  # written by another torch, truncated, ...: compile again
+            log.warning("compiled decode step not loaded (%s): compiling", error)
+            return None
+        return graphs
+
+    def _save(self) -> None:
+        assert self.directory is not None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for graph, path in zip(self.graphs, self._paths(), strict=True):
+                graph.save_compiled_function(str(path))
+        except OSError as error:  # a read-only cache: serve anyway, compile again next time
+            log.warning("compiled decode step not saved to %s: %s", self.directory, error)
