@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from decoding import DecodingParams
 from server.config import ServerConfig, load_config
 from server.engine.engine import Engine
+from server.loading import load_engine
 from server.model.attention import DecodeStep
 from server.model.compiled_decode import cache_key, model_identity
 from server.model.runner import ModelRunner
@@ -221,3 +223,34 @@ def test_the_cache_key_changes_with_model_flags_and_software(
     assert cache_key({**identity, "model": model_identity(tiny_model_dirs["llama"])}) != key
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert cache_key(identity) != key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "path", "hint"),
+    [
+        ({}, None, "about 1.5 min of compiling at its first start"),
+        ({}, "/nonexistent", "a C++ compiler, which this machine lacks on PATH"),
+        ({"quantization": "w8a8"}, None, None),
+    ],
+)
+def test_the_exact_cpu_default_names_the_fastest_cpu_flags_at_start_up(
+    llama_dir: Path,
+    tmp_path: Path,
+    overrides: dict[str, str],
+    path: str | None,
+    hint: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if path is not None:
+        monkeypatch.setenv("PATH", path)
+        monkeypatch.delenv("CXX", raising=False)
+    config = ServerConfig(model=str(llama_dir), cache_dir=tmp_path, num_kv_blocks=16, **overrides)
+    with caplog.at_level(logging.INFO, logger="server.loading"):
+        load_engine(config)
+    said = [r.getMessage() for r in caplog.records if "fastest CPU setting" in r.getMessage()]
+    if hint is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and hint in said[0]
+        assert "--quantization w8a8 --torch-compile" in said[0]
