@@ -111,6 +111,7 @@ def test_grounded_workload_runs_llama_server_with_and_without_its_ngram_speculat
     assert set(doc["systems"]) == {"server", "llama-server", "llama-server-ngram"}
     started = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [s["spec_type"] for s in started] == [None, "ngram-simple"]
+    assert [s["spec_ngram_simple_size_n"] for s in started] == [None, 3]
     for name in ("llama-server", "llama-server-ngram"):
         m = doc["systems"][name]["runs"][0]["metrics"]
         assert m["completed"] == 4 and m["errors"] == 0
