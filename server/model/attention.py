@@ -44,7 +44,7 @@ class DecodeStep:
     lengths: torch.Tensor  # [B, 1] tokens each row attends over
     positions: torch.Tensor  # [1, L] 0..L-1, to mask padding and out-of-window keys
     # the pools to attend over, passed in rather than found through the registered attention
-    # function: an ahead-of-time compiled decoder then reads them from its arguments (compiled.py)
+    # function: an ahead-of-time compiled decoder reads them from its inputs (compiled_decode.py)
     kv: PagedKVCache | None = None
 
     @classmethod
