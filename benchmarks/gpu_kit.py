@@ -9,8 +9,9 @@ In order, each step's output under OUT (small files only: they travel back from 
 2. per random-weight model shape (random_models.py; bfloat16 on CUDA, built on the device, kept
    outside OUT): the engine's host time per decode step (`overhead-SHAPE.json`) and the serving
    benchmark against HF `generate()` static batching on the same device: beamline as it starts
-   on CUDA (paged kernel, start-up CUDA graphs, overlapped outputs) and, unless `--no-compile`,
-   plain eager (`--no-cuda-graphs --overlap-outputs off`) and `--torch-compile` in the same run
+   on CUDA (paged kernel, start-up CUDA graphs, overlapped outputs, async scheduling) and, unless
+   `--no-compile`, plain eager (`--no-cuda-graphs --overlap-outputs off --async-scheduling off`)
+   and `--torch-compile` in the same run
    (`serve-SHAPE.*`: JSON, PNG plot; `serve-SHAPE.log`);
 3. `kit.json`: what ran, exit codes and seconds, so a partial run still says how far it got.
 GPU time is scarce: the order is the one ../shared/gpu/README.md asks for, and `--budget`
@@ -33,6 +34,7 @@ KIT_TESTS = (
     "tests/test_triton_attention.py",
     "tests/test_cuda_graphs.py",
     "tests/test_overlap_outputs.py",
+    "tests/test_async_scheduling.py",
     "tests/test_host_syncs.py",
     "tests/test_engine_process.py",
     "tests/test_speculation.py",
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             record(f"{shape}: build", *_run(cmd, args.out / f"build-{shape}.log", env, left()))
             cmd = [sys.executable, "-m", "benchmarks.engine_overhead", "--model", str(model)]
             cmd += ["--device", args.device, "--rows", args.rows, "--steps", "20"]
+            cmd += ["--async-scheduling"] if args.device == "cuda" else []
             cmd += ["--out", str(args.out / f"overhead-{shape}.json")]
             log = args.out / f"overhead-{shape}.log"
             record(f"{shape}: engine overhead", *_run(cmd, log, env, left() * 0.3))
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--label", "beamline", "--beamline-args", "--max-num-seqs 256"]
             cmd += ["--launch-timeout", str(int(max(60.0, min(300.0, left() / 3))))]
             if not args.no_compile:
-                eager = "--no-cuda-graphs --overlap-outputs off --max-num-seqs 256"
+                eager = "--no-cuda-graphs --overlap-outputs off --async-scheduling off"
+                eager += " --max-num-seqs 256"
                 cmd += ["--compare-beamline", f"eager={eager}"]
                 cmd += ["--compare-beamline", "compiled=--torch-compile --max-num-seqs 256"]
             log = args.out / f"serve-{shape}.log"

@@ -28,6 +28,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from decoding.transfer import to_device
+
 NO_LEGAL_TOKEN = "no_legal_token"  # finish reason: nothing was left to choose
 
 
@@ -134,7 +136,7 @@ def build_constraint_mask(
             runs[-1] = (runs[-1][0], r + 1)
         else:
             runs.append((r, r + 1))
-    return ConstraintMask(runs, banned.to(device))
+    return ConstraintMask(runs, to_device(banned, device))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -162,11 +164,20 @@ def apply_constraint_mask_(scores: torch.Tensor, mask: ConstraintMask) -> None:
 
 def rows_without_tokens(scores: torch.Tensor, mask: ConstraintMask | None) -> set[int]:
     """Constrained rows whose processed `scores` leave no token to choose."""
+    dead = dead_rows(scores, mask)
+    return set() if dead is None else read_dead_rows(dead.tolist(), mask)
+
+
+def dead_rows(scores: torch.Tensor, mask: ConstraintMask | None) -> torch.Tensor | None:
+    """[C] bool on the device: whether each constrained row has nothing left (None: no rows)."""
     if mask is None:
-        return set()
-    best = torch.cat([scores[start:stop].amax(dim=-1) for start, stop in mask.runs])
-    dead = torch.isneginf(best).tolist()
-    return {r for r, d in zip(mask.row_list, dead) if d}
+        return None
+    return torch.isneginf(torch.cat([scores[start:stop].amax(dim=-1) for start, stop in mask.runs]))
+
+
+def read_dead_rows(dead: list[bool] | list[int], mask: ConstraintMask | None) -> set[int]:
+    """`dead_rows` read back -> the rows (of the step) without a token."""
+    return set() if mask is None else {r for r, d in zip(mask.row_list, dead) if d}
 
 
 def _int32(value: int) -> int:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from decoding.transfer import to_device
+
 
 @dataclass
 class TokenLogprobs:
@@ -44,21 +46,22 @@ class TokenLogprobs:
 
     def to_host(self) -> list[tuple[float, list[tuple[int, float]]]]:
         """Every pair's (chosen logprob, (token, logprob) alternatives) in one device read: on a
-        GPU each read waits for the device, and a 16-beam step has 16+ pairs. Token ids travel
-        as float64, exact for any vocabulary below 2^53."""
-        k = self.top_ids.shape[1]
-        packed = torch.cat(
-            [
-                self.chosen.double().unsqueeze(1),
-                self.top_logprobs.double(),
-                self.top_ids.double(),
-            ],
+        GPU each read waits for the device, and a 16-beam step has 16+ pairs."""
+        return self.unpack(self.packed().tolist())
+
+    def packed(self) -> torch.Tensor:
+        """Every pair as one float64 row [chosen, K logprobs, K ids], for a single read (token ids
+        are exact in float64 for any vocabulary below 2^53)."""
+        return torch.cat(
+            [self.chosen.double().unsqueeze(1), self.top_logprobs.double(), self.top_ids.double()],
             dim=1,
-        ).tolist()
-        return [
-            (values[0], list(zip(map(int, values[1 + k :]), values[1 : 1 + k])))
-            for values in packed
-        ]
+        )
+
+    @staticmethod
+    def unpack(rows: list[list[float]]) -> list[tuple[float, list[tuple[int, float]]]]:
+        """`packed()` rows read back -> (chosen logprob, (token, logprob) alternatives) pairs."""
+        k = (len(rows[0]) - 1) // 2 if rows else 0
+        return [(v[0], list(zip(map(int, v[1 + k :]), v[1 : 1 + k]))) for v in rows]
 
 
 def token_logprobs(
@@ -76,11 +79,11 @@ def token_logprobs(
     token's rank in its distribution (1 = the likeliest; ties share the better rank).
     """
     device = logits.device
-    tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    tokens = to_device(token_ids, device, torch.long)
     index = (
         torch.arange(len(tokens), device=device)
         if rows is None
-        else torch.as_tensor(rows, dtype=torch.long, device=device)
+        else to_device(rows, device, torch.long)
     )
     logp = logits.index_select(0, index).float().log_softmax(dim=-1)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.params import DecodingParams
+from decoding.transfer import to_device
 
 TokenIds = Sequence[int]
 
@@ -78,7 +79,7 @@ class PairsBuilder:
         if max(self.tokens) >= vocab_size:  # the API rejects these; never crash a shared batch
             keep = tokens < vocab_size
             tokens, rows, values = tokens[keep], rows[keep], values[keep]
-        return Pairs(rows.to(device), tokens.to(device), values.to(device))
+        return Pairs(to_device(rows, device), to_device(tokens, device), to_device(values, device))
 
 
 @dataclass

@@ -35,6 +35,7 @@ from decoding.processors import (
     apply_processors_,
     build_processor_tensors,
 )
+from decoding.transfer import to_device
 from decoding.warpers import WarperTensors, apply_warpers_, build_warper_tensors
 
 
@@ -88,12 +89,8 @@ class SamplingTensors:
                 params, list(zip(prompt_ids, output_ids)), eos_ids, vocab_size, device
             ),
             warpers=build_warper_tensors(params, warped, min_keep, vocab_size, device),
-            beam_rows=torch.tensor(beam_list, dtype=torch.long, device=device)
-            if beam_list
-            else None,
-            sample_rows=torch.tensor(sample_list, dtype=torch.long, device=device)
-            if sample_list
-            else None,
+            beam_rows=to_device(beam_list, device, torch.long) if beam_list else None,
+            sample_rows=to_device(sample_list, device, torch.long) if sample_list else None,
             sample_row_list=sample_list,
             logprob_rows=[
                 r
@@ -162,16 +159,25 @@ def choose_tokens(
     return tokens
 
 
-def sample(
+@dataclass
+class Draw:
+    """A step's choice, still on the device: processed `scores`, the chosen `tokens` (None when
+    only beam rows chose), the uniform draws `u` of the sampling rows, and `unsure`, the flag of
+    a warper that could not be sure without reading back (ties at top-k's k-th value; rare)."""
+
+    scores: torch.Tensor
+    tokens: torch.Tensor | None
+    u: torch.Tensor | None
+    unsure: torch.Tensor | None
+
+
+def draw(
     logits: torch.Tensor,
     t: SamplingTensors,
     generators: Sequence[torch.Generator | None],
     need_tokens: bool = True,
-) -> tuple[torch.Tensor, list[int]]:
-    """`process_logits` + `choose_tokens` with one device-to-host copy per step: the tokens, and
-    with them the flag of a warper that could not be sure without reading back (ties at top-k's
-    k-th value; rare). Then the step is processed again exactly, with the same random draws, so
-    the result is always `choose_tokens(process_logits(logits, t), t, generators)`'s."""
+) -> Draw:
+    """`process_logits` + `choose_tokens` without reading anything back; `settle` reads it."""
     scores = process_logits(logits, t, exact=False)
     u = None
     if t.sample_rows is not None:
@@ -179,12 +185,45 @@ def sample(
         u = uniform_draws(len(rows), [generators[r] for r in rows], logits.device)
     unsure = t.warpers.unsure if t.warpers is not None else None
     if not need_tokens and unsure is None:
-        return scores, []
-    tokens = choose_tokens(scores, t, generators, u)
-    if unsure is None:
-        return scores, tokens.tolist()
-    values = torch.cat([tokens, unsure.view(1).to(tokens.dtype)]).tolist()
-    if not values.pop():
-        return scores, values
+        return Draw(scores, None, u, None)
+    return Draw(scores, choose_tokens(scores, t, generators, u), u, unsure)
+
+
+def settle(
+    d: Draw,
+    values: list[int],
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    generators: Sequence[torch.Generator | None],
+) -> tuple[torch.Tensor, list[int]]:
+    """The exact scores and tokens of a draw whose `values` (its tokens, then its `unsure` flag
+    when it has one) were read back: a flagged step is processed again exactly, with the same
+    random draws, so the result is always `choose_tokens(process_logits(logits, t), t, g)`'s."""
+    if d.unsure is None or not values.pop():
+        return d.scores, values
     scores = process_logits(logits, t, exact=True)
-    return scores, choose_tokens(scores, t, generators, u).tolist()
+    return scores, choose_tokens(scores, t, generators, d.u).tolist()
+
+
+def draw_values(d: Draw) -> torch.Tensor | None:
+    """What `settle` needs read back, as one long tensor (None: nothing)."""
+    if d.tokens is None:
+        return None
+    if d.unsure is None:
+        return d.tokens
+    return torch.cat([d.tokens, d.unsure.view(1).to(d.tokens.dtype)])
+
+
+def sample(
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    generators: Sequence[torch.Generator | None],
+    need_tokens: bool = True,
+) -> tuple[torch.Tensor, list[int]]:
+    """`draw` + `settle` with one device-to-host copy per step: the tokens, and with them the
+    flag of a warper that could not be sure without reading back."""
+    d = draw(logits, t, generators, need_tokens)
+    values = draw_values(d)
+    if values is None:
+        return d.scores, []
+    return settle(d, values.tolist(), logits, t, generators)

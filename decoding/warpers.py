@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.params import DecodingParams
+from decoding.transfer import to_device
 
 NEG_INF = float("-inf")
 
@@ -77,11 +78,11 @@ def build_warper_tensors(
         if not chosen:
             return None
         rows, values = zip(*chosen)
-        tensor = torch.tensor(values, dtype=dtype, device=device)
+        tensor = to_device(values, device, dtype)
         return RowParams(
-            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            rows=to_device(rows, device, torch.long),
             values=tensor if dtype == torch.long else tensor.unsqueeze(1),
-            min_keep=torch.tensor([min_keep[r] for r in rows], dtype=torch.long, device=device),
+            min_keep=to_device([min_keep[r] for r in rows], device, torch.long),
             every_row=len(rows) == len(params),
             largest=max(values),
             max_keep=max(min_keep[r] for r in rows),

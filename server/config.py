@@ -134,6 +134,14 @@ class ServerConfig(BaseModel):
         description="render a step's text (detokenize, stop strings, stream) while the device "
         "runs the next step; auto = on on CUDA, off on the CPU (its forward blocks the host)",
     )
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="plan and queue the next step before reading this step's tokens back, so the "
+        "host's work runs while the device computes (outputs unchanged; a row a finishing token "
+        "or stop string ends computes one token more, dropped; steps with beam searches or "
+        "drafts read at once, so rows do not draft while steps overlap); auto = on on CUDA, off "
+        "on the CPU (its forward blocks the host)",
+    )
     num_speculative_tokens: int = Field(
         8,
         ge=0,

@@ -30,6 +30,13 @@ def overlaps_outputs(setting: str, device_type: str) -> bool:
     return setting == "on" or (setting == "auto" and device_type == "cuda")
 
 
+def schedules_async(setting: str, device_type: str) -> bool:
+    """`async_scheduling` auto: on CUDA, where the host can plan the next step while the device
+    computes; not on the CPU, where the forward holds the host (and finishing tokens would cost
+    a dropped row for nothing)."""
+    return setting == "on" or (setting == "auto" and device_type == "cuda")
+
+
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
 
@@ -94,6 +101,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         overlap_outputs=overlaps_outputs(config.overlap_outputs, device.type),
+        async_scheduling=schedules_async(config.async_scheduling, device.type),
         speculative_tokens=config.num_speculative_tokens,
     )
     return LoadedEngine(engine, runner, tokenizer, model_dir, config)

@@ -53,6 +53,17 @@ class WorkItem(Generic[RowT]):
         return self.seq.num_computed + self.num_new == len(self.seq.token_ids) + len(self.draft)
 
 
+@dataclass(frozen=True)
+class DeferredTokens:
+    """Input tokens a step reads from the device (async scheduling): the first new token of
+    item `items[j]` is `values[sources[j]]`, the token the previous step chose for that row and
+    has not read back yet; the row holds a placeholder in its place until then."""
+
+    values: torch.Tensor  # [P] long, on the model's device
+    items: list[int]
+    sources: list[int]
+
+
 @dataclass
 class StepOutput:
     """What a step returns: logits [R, V] of the items that sample (in order, 1 + len(draft) rows

@@ -60,6 +60,7 @@ def make_engine(
     enable_prefix_caching: bool = True,
     overlap_outputs: bool = False,
     speculative_tokens: int = 0,
+    async_scheduling: bool = False,
 ) -> Engine:
     runner = ModelRunner(
         model_dir,
@@ -77,6 +78,7 @@ def make_engine(
         enable_prefix_caching=enable_prefix_caching,
         overlap_outputs=overlap_outputs,
         speculative_tokens=speculative_tokens,
+        async_scheduling=async_scheduling,
     )
 
 

@@ -34,6 +34,14 @@ def test_engine_overhead_reports_the_text_rendered_during_the_forward() -> None:
     assert beam.render_ms < 0.05  # beams stream nothing per step: nothing to render
 
 
+def test_engine_overhead_runs_with_async_scheduling_and_times_free_steps() -> None:
+    (greedy,) = engine_overhead.main(
+        ["--rows", "8", "--kinds", "greedy", "--steps", "3", "--async-scheduling"]
+    )
+    assert 0 < greedy.forward_ms < greedy.free_step_ms  # on the CPU the forward holds the host
+    assert greedy.step_per_forward == greedy.free_step_ms / greedy.forward_ms > 1
+
+
 def test_random_model_has_the_shape_and_a_tokenizer_for_every_id(tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 

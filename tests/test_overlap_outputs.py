@@ -123,10 +123,10 @@ def test_a_row_ended_by_a_stop_string_computes_one_token_more_and_drops_it(
         rows_run = 0
         step = engine.runner.execute
 
-        def counting(items, copies, step=step):  # type: ignore[no-untyped-def]
+        def counting(items, copies, deferred=None, step=step):  # type: ignore[no-untyped-def]
             nonlocal rows_run
             rows_run += sum(item.num_new for item in items)
-            return step(items, copies)
+            return step(items, copies, deferred)
 
         engine.runner.execute = counting  # type: ignore[method-assign]
         got = submit(engine, "r", prompt, params)
@@ -159,12 +159,15 @@ def test_overlap_setting(setting: str, device: str, expected: bool) -> None:
     assert overlaps_outputs(setting, device) is expected
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 async def test_streams_over_http_are_whole_with_overlap_and_batched_delivery(
-    llama_dir: Path,
+    llama_dir: Path, async_scheduling: bool
 ) -> None:
-    """Through AsyncEngine (outputs handed to the event loop once per step) with overlap on:
-    streamed text equals the non-streamed text, stop strings included, for concurrent clients."""
-    ctx = serving_context(make_engine(llama_dir, overlap_outputs=True))
+    """Through AsyncEngine (outputs handed to the event loop once per step) with overlap on (and
+    async scheduling, test_async_scheduling.py): streamed text equals the non-streamed text, stop
+    strings included, for concurrent clients."""
+    engine = make_engine(llama_dir, overlap_outputs=True, async_scheduling=async_scheduling)
+    ctx = serving_context(engine)
     try:
         transport = httpx.ASGITransport(app=create_app(ctx=ctx))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

@@ -251,9 +251,9 @@ def test_drafts_fit_the_step_budget(llama_dir: Path) -> None:
     seen: list[int] = []
     execute = engine.runner.execute
 
-    def counting(items, copies):  # type: ignore[no-untyped-def]
+    def counting(items, copies, deferred=None):  # type: ignore[no-untyped-def]
         seen.append(sum(item.num_new for item in items))
-        return execute(items, copies)
+        return execute(items, copies, deferred)
 
     engine.runner.execute = counting  # type: ignore[method-assign]
     prompts = [engine.tokenizer(p).input_ids for p in LOOPING]
@@ -310,7 +310,8 @@ def test_verification_keeps_a_sampled_rows_distribution() -> None:
     for _ in range(trials):
         item = WorkItem(seq, 1 + 1, draft=[draft])
         batch = VerifyBatch([item], [seq], None)
-        choices, _ = batch.choose(logits, frozenset({99}))
+        pending, _ = batch.choose(logits, frozenset({99}))
+        choices = pending.read()
         outcome = batch.outcome(0, choices)
         first[outcome.tokens[0]] += 1
         kept += outcome.accepted

@@ -13,29 +13,31 @@ A chosen token is committed at once (the next step needs it); its text is render
 searched for stop strings, streamed) either at once or, with `overlap_outputs`, during the next
 step, after its forward was queued: on a GPU the text work then runs while the device computes.
 Outputs are the same; a row a stop string ends has one more token computed, which is dropped.
+With `async_scheduling` the tokens themselves are read back only once the next step's forward is
+queued (in_flight.py): the host plans, builds and commits while the device computes. Applying
+tokens (applying.py) and ending rows and requests (endings.py) have modules of their own.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoding import BeamStep
-from decoding.constraints import NO_LEGAL_TOKEN
-from server.engine import beams
+from server.engine.applying import ChoiceApplier
 from server.engine.block_pool import BlockPool
+from server.engine.endings import Endings
+from server.engine.in_flight import InFlight
 from server.engine.inbox import Inbox
 from server.engine.output_processor import OutputProcessor
 from server.engine.prefix_cache import PrefixCache
 from server.engine.prompt_scoring import PromptScoring
-from server.engine.request import EngineRequest, Sequence, TokenLogprob
+from server.engine.request import EngineRequest, Sequence
 from server.engine.sampling_step import without_retired
 from server.engine.scheduler import Scheduler
-from server.engine.speculation import RowOutcome, Speculator, VerifyBatch
+from server.engine.speculation import Speculator, VerifyBatch
 from server.engine.stats import EngineStats, StatsRecorder
 from server.metrics import Metrics
 from server.model.runner import ModelRunner
@@ -57,6 +59,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         overlap_outputs: bool = False,
         speculative_tokens: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -77,7 +80,15 @@ class Engine:
         self._inbox = Inbox()
         self._requests: dict[str, EngineRequest] = {}
         self.prompt_scoring = PromptScoring()
+        self.endings = Endings(
+            self.scheduler, self.output, self.recorder, self.prompt_scoring, self._requests
+        )
+        self.applier = ChoiceApplier(
+            self.scheduler, self.output, self.recorder, self.endings, self.max_model_len
+        )
         self.overlap_outputs = overlap_outputs  # see the module's docstring
+        self.async_scheduling = async_scheduling  # see in_flight.py
+        self._in_flight: InFlight | None = None
         # called once outputs were emitted (after a render, at a step's end): AsyncEngine hands
         # them to the event loop in one batch then
         self.flush_outputs: Callable[[], None] = lambda: None
@@ -122,7 +133,8 @@ class Engine:
                 self._requests[item.request_id] = item
                 self.scheduler.add(item)
             elif (req := self._requests.get(item)) is not None:
-                self._end_request(req, "abort")
+                self._land()  # its tokens in flight first: a row ends with what it has
+                self.endings.end_request(req, "abort")
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -134,17 +146,22 @@ class Engine:
 
     def _step(self) -> bool:
         self._drain_inbox()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(speculate=self._in_flight is None)
         self.recorder.schedule(len(plan.preempted), plan.cache_queries, plan.cache_hits)
-        self._record_state()
-        if not plan.items:
-            return self._render_outputs()  # the last step's text, if it waits for a next step
+        self.endings.record_state()
+        if not plan.items:  # the last step's tokens and text, if they wait for a next step
+            landed = self._in_flight is not None
+            self._land()
+            return self._render_outputs() or landed
         self.recorder.step(plan.items)  # before any output of this step reaches a client
         try:
             plan.items = self.prompt_scoring.plan(plan.items)
-            output = self.runner.execute(plan.items, plan.copies)
-            # Overlap: on a GPU the forward above is only queued; the previous step's text is
-            # rendered while it runs (before any read of this step's results).
+            deferred = self._in_flight.inputs(plan.items) if self._in_flight else None
+            output = self.runner.execute(plan.items, plan.copies, deferred)
+            # Overlap: on a GPU the forward above is only queued; the previous step's tokens are
+            # read and applied, and its text rendered, while it runs.
+            if self._land() and deferred is not None:
+                return True  # a top-k tie changed a token this step read: it runs again
             self._render_outputs()
             self.prompt_scoring.record(plan.items, output.scores)
             sampling = self.scheduler.update_from_output(plan)
@@ -155,8 +172,13 @@ class Engine:
         except Exception as exc:  # a failing step fails its own requests, never the loop
             log.exception("engine step failed")
             message = f"internal error: {type(exc).__name__}: {exc}"
-            for req in {item.seq.request for item in plan.items} | self.output.drop_pending():
-                self._end_request(req, "error", message)
+            failed = {item.seq.request for item in plan.items} | self.output.drop_pending()
+            if self._in_flight is not None:
+                failed |= {seq.request for seq in self._in_flight.batch.rows}
+                self._in_flight.drop()
+                self._in_flight = None
+            for req in failed:
+                self.endings.end_request(req, "error", message)
         return True
 
     def _render_outputs(self) -> bool:
@@ -165,7 +187,7 @@ class Engine:
         if not self.output.has_pending:
             return False
         for seq, reason in self.output.render_pending():
-            self._finish_row(seq, reason)
+            self.endings.finish_row(seq, reason)
         if self.overlap_outputs:  # while the device computes: the clients get this text now
             self.flush_outputs()  # (else step() flushes once the step's time is counted)
         return True
@@ -177,120 +199,37 @@ class Engine:
         if self.prompt_scoring.prompt_only:  # max_tokens 0: the prompt is computed, that was all
             sampling, logits, done = self.prompt_scoring.split_prompt_only(sampling, logits)
             for seq in done:
-                self._finish_row(seq, "length", appended=False)
+                self.endings.finish_row(seq, "length", appended=False)
             if not sampling:
                 return
-        if self.overlap_outputs:  # rows a stop string ended while this step ran: token dropped
+        if self.overlap_outputs or self.async_scheduling:  # rows that ended while this step
+            # ran (a stop string, a finishing token read late): their token is dropped
             sampling, logits = without_retired(sampling, logits)
             if not sampling:
                 return
         rows, index = self.scheduler.fork_first_samples([item.seq for item in sampling])
         batch = VerifyBatch(sampling, rows, index)  # one position per logits row (speculation)
-        choices, logits = batch.choose(logits, self.eos_token_ids)
-        if choices.mask_seconds is not None:
-            self.recorder.constraint_mask(choices.mask_seconds)
-        beam_reqs: list[tuple[EngineRequest, slice]] = []
-        now = time.monotonic()
-        start = 0
-        while start < len(rows):
-            req = rows[start].request
-            span = slice(start, start + len(req.rows))
-            if req.search is not None:
-                beam_reqs.append((req, batch.span(span)))
-            else:
-                outcomes = [batch.outcome(r, choices) for r in range(span.start, span.stop)]
-                self.recorder.tokens(req, sum(len(o.tokens) for o in outcomes), now)
-                for seq, outcome in zip(rows[span], outcomes):
-                    self._apply(seq, outcome)
-            start = span.stop
-        if beam_reqs:
-            reqs = [req for req, _ in beam_reqs]
-            spans = [span for _, span in beam_reqs]
-            steps = beams.step_searches(reqs, choices.scores, logits, spans)
-            for req, beam_step in zip(reqs, steps):
-                self.recorder.tokens(req, 0 if beam_step.done else len(beam_step.tokens), now)
-                self._apply_beam_step(req, beam_step)
-
-    # ---- rows that sample on their own: greedy, sampling, n, best_of ----------------------------
-    def _apply(self, seq: Sequence, outcome: RowOutcome) -> None:
-        """Append the row's kept tokens (accepted drafts + the token chosen after) until one ends
-        it; a constrained row left without a legal token ends after them."""
-        for token, logprob in zip(outcome.tokens, outcome.logprobs):
-            self._append(seq, token, logprob)
-            if seq.retired:
-                break
-        if outcome.drafted:
-            self.scheduler.accept_drafts(seq, outcome.accepted)
-            self.recorder.drafts(outcome.drafted, outcome.accepted)
-        if outcome.no_token and not seq.retired:  # a complete output stops, else it says so
-            done = seq.constraint is not None and seq.constraint.accepting
-            self._finish_row(seq, "stop" if done else NO_LEGAL_TOKEN, appended=False)
-
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        constraint = seq.constraint
-        if constraint is not None and token not in seq.request.finishing_ids:
-            if not constraint.advance(token):  # the mask allowed it: a limit hit mid-way
-                log.warning(
-                    "request %s: constraint failed on token %d", seq.request.request_id, token
-                )
-                self._finish_row(seq, NO_LEGAL_TOKEN, appended=False)
-                return
-        if self.output.commit(seq, token, logprob) is not None:
-            self._retire(seq)  # out of the next step at once; its ending is told when rendered
-
-    def _retire(self, seq: Sequence) -> None:
-        """The row leaves the batch: no further step computes it, its blocks are free."""
-        seq.retired = True
-        seq.request.rows.remove(seq)
-        seq.request.done_rows.append(seq)
-        self.scheduler.release_row(seq)
-
-    def _finish_row(self, seq: Sequence, reason: str, appended: bool = True) -> None:
-        """The row's ending is known: tell it (the request's last output once no row of it is
-        running or waiting for its text)."""
-        req = seq.request
-        if not seq.retired:
-            self._retire(seq)
-        seq.finish_reason = reason
-        if req.rows or any(row.finish_reason is None for row in req.done_rows):
-            self.output.finish_row(seq, reason, request_done=False, appended=appended)
+        pending, logits = batch.choose(logits, self.eos_token_ids)
+        if self.async_scheduling and InFlight.can_overlap(batch):  # read once the next is queued
+            self._in_flight = InFlight.start(batch, pending, self.max_model_len)
             return
-        self._close_request(req, reason)  # metrics first: never behind what clients see
-        if req.streams:
-            self.output.finish_row(seq, reason, request_done=True, appended=appended)
-        else:  # best_of: every sample is in; return the n most likely
-            self.output.emit_best_samples(req)
+        self.applier.apply(batch, pending.read(), logits)
 
-    # ---- beams ----------------------------------------------------------------------------------
-    def _apply_beam_step(self, req: EngineRequest, beam_step: BeamStep) -> None:
-        if beams.advance(req, beam_step, self.scheduler.fork_beams, self.max_model_len):
-            hypotheses = beams.search_of(req).finalize()
-            self._close_request(req, hypotheses[0].finish_reason if hypotheses else "length")
-            self.output.emit_choices(req, beams.choices(req, hypotheses))
-
-    # ---- endings --------------------------------------------------------------------------------
-    def _close_request(self, req: EngineRequest, reason: str) -> None:
-        """The request is over: free every block it still holds and record it (before the client
-        sees its last output, so metrics are never behind the responses)."""
-        req.finished = True
-        self.prompt_scoring.discard(req)
-        self.scheduler.remove(req)
-        self._requests.pop(req.request_id, None)
-        self.recorder.request_end(req, reason)
-        self._record_state()
-
-    def _end_request(self, req: EngineRequest, reason: str, error: str | None = None) -> None:
-        """Abort or fail a request that has not finished: one last output ends its stream."""
-        if req.finished:
-            return
-        self._close_request(req, reason)
-        self.output.emit_end(req, reason, error)
-
-    def _record_state(self) -> None:
-        self.recorder.state(self.num_running, self.num_waiting)
+    def _land(self) -> bool:
+        """Read back and apply the tokens of the step in flight, if any (async scheduling);
+        True when a top-k tie changed a token from the one the device chose."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return False
+        choices = flight.land()
+        self.applier.apply(flight.batch, choices, flight.pending.logits)
+        return choices.refined
 
     def fail_all(self, message: str) -> None:
         """Fail every request in the engine (used when the loop itself must stop)."""
+        if self._in_flight is not None:
+            self._in_flight.drop()
+            self._in_flight = None
         self._drain_inbox()
         for req in list(self._requests.values()):
-            self._end_request(req, "error", message)
+            self.endings.end_request(req, "error", message)

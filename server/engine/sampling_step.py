@@ -15,8 +15,16 @@ from typing import Protocol
 
 import torch
 
-from decoding import SamplingTensors, sample, token_logprobs
-from decoding.constraints import TokenConstraint, build_constraint_mask, rows_without_tokens
+from decoding import SamplingTensors, TokenLogprobs, token_logprobs
+from decoding.constraints import (
+    ConstraintMask,
+    TokenConstraint,
+    build_constraint_mask,
+    dead_rows,
+    read_dead_rows,
+)
+from decoding.sampling import Draw, draw, draw_values, settle
+from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
 from server.work import WorkItem
 
@@ -28,6 +36,7 @@ class Choices:
     logprobs: dict[int, TokenLogprob]  # by row, for the rows that asked for logprobs
     no_token: set[int] = field(default_factory=set)  # constrained rows left nothing to choose
     mask_seconds: float | None = None  # time spent building constraint masks (None: no rows)
+    refined: bool = False  # a top-k tie made the tokens first chosen on the device wrong
 
 
 class ChoosingRow(Protocol):
@@ -40,8 +49,93 @@ class ChoosingRow(Protocol):
     def output_ids(self) -> list[int]: ...
 
 
-def choose(rows: Rows[ChoosingRow], logits: torch.Tensor, eos_ids: frozenset[int]) -> Choices:
-    """Process `logits` [R, V] of `rows` and choose each row's next token."""
+class HostRead:
+    """Values of some device tensors, read in one go. Started early (`start`, non-blocking into
+    pinned memory, then a CUDA event) the read waits only for the work queued before it, not for
+    a forward queued after it (async scheduling, engine.py); elsewhere it is one plain read."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.event: torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        if self.tensor.device.type == "cuda":
+            self.tensor = self.tensor.to("cpu", non_blocking=True)  # pinned by torch
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def values(self) -> list:  # type: ignore[type-arg]
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor.tolist()
+
+
+@dataclass
+class PendingChoices:
+    """A step's choices computed on the device and not read yet (`choose_on_device`); `read`
+    returns the `Choices`. The tokens, the warpers' tie flag and the constrained rows left
+    without a token travel in one read; logprobs, when asked for, in a second."""
+
+    rows: Rows[ChoosingRow]
+    logits: torch.Tensor
+    tensors: SamplingTensors
+    drawn: Draw
+    mask: ConstraintMask | None
+    mask_seconds: float | None
+    values: HostRead | None  # tokens (+ tie flag) + dead constrained rows
+    logprob_rows: list[int]
+    logprobs: HostRead | None
+
+    def start_reads(self) -> None:
+        for read in (self.values, self.logprobs):
+            if read is not None:
+                read.start()
+
+    def read(self) -> Choices:
+        """The choices as Python values; `refined` says a tie made the device's tokens wrong."""
+        t, drawn = self.tensors, self.drawn
+        values = self.values.values() if self.values is not None else []
+        dead = values[len(values) - len(self.mask.row_list) :] if self.mask is not None else []
+        values = values[: len(values) - len(dead)]
+        generators = [s.request.generator for s in self.rows]
+        scores, tokens = (
+            settle(drawn, values, self.logits, t, generators) if values else (drawn.scores, [])
+        )
+        refined = drawn.unsure is not None and tokens != values
+        logprobs: dict[int, TokenLogprob] = {}
+        if self.logprob_rows:
+            wanted = self.logprob_rows
+            pairs = (
+                _logprobs(self.logits, tokens, wanted, self.rows).to_host()
+                if refined or self.logprobs is None
+                else TokenLogprobs.unpack(self.logprobs.values())
+            )
+            for r, (chosen, alternatives) in zip(wanted, pairs):
+                k = self.rows[r].request.params.logprobs or 0
+                logprobs[r] = TokenLogprob(tokens[r], chosen, alternatives[:k])
+        no_token = read_dead_rows(dead, self.mask)
+        return Choices(scores, tokens, logprobs, no_token, self.mask_seconds, refined)
+
+
+def _logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor | list[int],
+    wanted: list[int],
+    rows: Rows[ChoosingRow],
+) -> TokenLogprobs:
+    top = max(rows[r].request.params.logprobs or 0 for r in wanted)
+    chosen = (
+        tokens[to_device(wanted, tokens.device, torch.long)]
+        if isinstance(tokens, torch.Tensor)
+        else [tokens[r] for r in wanted]
+    )
+    return token_logprobs(logits, chosen, rows=wanted, num_top=top)
+
+
+def choose_on_device(
+    rows: Rows[ChoosingRow], logits: torch.Tensor, eos_ids: frozenset[int]
+) -> PendingChoices:
+    """Process `logits` [R, V] of `rows` and choose each row's next token, on the device."""
     params = [s.request.params for s in rows]
     vocab = logits.shape[-1]
     mask, mask_seconds = None, None
@@ -66,16 +160,21 @@ def choose(rows: Rows[ChoosingRow], logits: torch.Tensor, eos_ids: frozenset[int
     )
     generators = [s.request.generator for s in rows]
     beam_only = all(p.is_beam for p in params)  # beams take their tokens from their searches
-    scores, tokens = sample(logits, tensors, generators, need_tokens=not beam_only)
+    drawn = draw(logits, tensors, generators, need_tokens=not beam_only)
+    parts = [v for v in (draw_values(drawn), dead_rows(drawn.scores, mask)) if v is not None]
+    values = HostRead(torch.cat([p.long() for p in parts])) if parts else None
     wanted = tensors.logprob_rows  # non-beam rows whose request asked for logprobs
-    logprobs: dict[int, TokenLogprob] = {}
-    if wanted:
-        top = max(params[r].logprobs or 0 for r in wanted)
-        lp = token_logprobs(logits, [tokens[r] for r in wanted], rows=wanted, num_top=top)
-        for r, (chosen, alternatives) in zip(wanted, lp.to_host()):
-            logprobs[r] = TokenLogprob(tokens[r], chosen, alternatives[: params[r].logprobs or 0])
-    no_token = rows_without_tokens(scores, mask)
-    return Choices(scores, tokens, logprobs, no_token, mask_seconds)
+    logprobs = None
+    if wanted and drawn.tokens is not None:
+        logprobs = HostRead(_logprobs(logits, drawn.tokens, wanted, rows).packed())
+    return PendingChoices(
+        rows, logits, tensors, drawn, mask, mask_seconds, values, wanted, logprobs
+    )
+
+
+def choose(rows: Rows[ChoosingRow], logits: torch.Tensor, eos_ids: frozenset[int]) -> Choices:
+    """Process `logits` [R, V] of `rows` and choose each row's next token."""
+    return choose_on_device(rows, logits, eos_ids).read()
 
 
 def select_items(
@@ -89,7 +188,7 @@ def select_items(
         starts.append(starts[-1] + 1 + len(item.draft))
     for i in kept:
         rows.extend(range(starts[i], starts[i + 1]))
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    index = to_device(rows, logits.device, torch.long)
     return [sampling[i] for i in kept], logits.index_select(0, index)
 
 

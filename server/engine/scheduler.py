@@ -126,7 +126,9 @@ class Scheduler:
         self.waiting.appendleft(request)
         plan.preempted.append(request)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, speculate: bool = True) -> StepPlan:
+        """The next step; `speculate` False: no drafts (a row's last token is still on the device
+        with async scheduling, and drafts are looked up from it)."""
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         i = 0
@@ -163,7 +165,7 @@ class Scheduler:
             self.running.append(request)
             plan.items.extend(items)
             budget -= sum(item.num_new for item in items)
-        if self.propose is not None and budget > 0:  # last: drafts take only what is left
+        if speculate and self.propose is not None and budget > 0:  # last: take what is left
             self._add_drafts(plan.items, budget)
         return plan
 

@@ -28,8 +28,9 @@ import torch
 
 from decoding.constraints import TokenConstraint
 from decoding.speculation import DraftLength, RowDrafts, accepted_length
+from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
-from server.engine.sampling_step import Choices, choose
+from server.engine.sampling_step import Choices, PendingChoices, choose_on_device
 from server.work import WorkItem
 
 
@@ -138,12 +139,15 @@ class VerifyBatch:
         identity = row_items is None and len(logits_rows) == total
         self.logits_index = None if identity else logits_rows
 
-    def choose(self, logits: torch.Tensor, eos_ids: frozenset[int]) -> tuple[Choices, torch.Tensor]:
-        """A token at every position (sampling_step.choose), and the positions' logits."""
+    def choose(
+        self, logits: torch.Tensor, eos_ids: frozenset[int]
+    ) -> tuple[PendingChoices, torch.Tensor]:
+        """A token at every position, on the device (sampling_step.choose_on_device), and the
+        positions' logits."""
         if self.logits_index is not None:
-            index = torch.tensor(self.logits_index, dtype=torch.long, device=logits.device)
+            index = to_device(self.logits_index, logits.device, torch.long)
             logits = logits.index_select(0, index)
-        return choose(self.positions, logits, eos_ids), logits
+        return choose_on_device(self.positions, logits, eos_ids), logits
 
     def span(self, rows: slice) -> slice:
         """The positions of rows `rows` (rows without drafts: beams)."""

@@ -21,6 +21,8 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
+from decoding.transfer import to_device
+
 ATTENTION_NAME = "beamline_paged"
 
 
@@ -67,10 +69,10 @@ class DecodeStep:
         lens = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
         slot_mapping = gather.gather(1, lens - 1).squeeze(1)
         return cls(
-            slot_mapping.to(device),
-            gather.to(device),
-            lens.to(device),
-            positions.unsqueeze(0).to(device),
+            to_device(slot_mapping, device),
+            to_device(gather, device),
+            to_device(lens, device),
+            to_device(positions.unsqueeze(0), device),
         )
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -185,7 +187,7 @@ class PagedKVCache:
         src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
         dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
         device = self.keys[0].device
-        src, dst = src.to(device), dst.to(device)
+        src, dst = to_device(src, device), to_device(dst, device)
         for pool in (*self.keys, *self.values):
             pool[dst] = pool[src]
 

@@ -146,9 +146,16 @@ class DecodeGraphs:
             output = fn()
         return graph, output
 
-    def run(self, tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def run(
+        self,
+        tables: list[list[int]],
+        tokens: list[int],
+        positions: list[int],
+        edit_tokens: Callable[[torch.Tensor], None] = lambda t: None,
+    ) -> torch.Tensor:
         """Logits [n, V] of n rows that add `tokens[i]` at `positions[i]`, each row's block table
-        covering its position (n <= max_rows; tables no wider than max_blocks)."""
+        covering its position (n <= max_rows; tables no wider than max_blocks); `edit_tokens`
+        may change the tokens on the device first."""
         n = len(tokens)
         rows = next(size for size in self.sizes if size >= n)
         bs = self.block_size
@@ -160,6 +167,7 @@ class DecodeGraphs:
         if self.device.type == "cuda":  # pinned: the copies do not wait for queued work
             host, table = host.pin_memory(), table.pin_memory()
         self.tokens[:n].copy_(host[0], non_blocking=True)
+        edit_tokens(self.tokens[:n])
         self.positions[:n].copy_(host[1], non_blocking=True)
         self.slots[:n].copy_(host[2], non_blocking=True)
         self.tile_pos[:n].copy_(host[1], non_blocking=True)

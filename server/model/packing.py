@@ -8,13 +8,15 @@ decode-only steps take the faster path in runner.py and never come here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from decoding.logprobs import TokenLogprobs, token_logprobs
+from decoding.transfer import to_device
 from server.model.attention import DecodeStep, PagedStep, SeqSlice, StepContext
-from server.work import Row, WorkItem
+from server.work import DeferredTokens, Row, WorkItem
 
 
 @dataclass
@@ -54,14 +56,20 @@ def verify_inputs(
     return tables, tokens, positions
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A host list as a long tensor on `device`. On CUDA the copy comes from pinned memory and
-    does not block the host: a plain copy waits for every queued kernel, which would end the
-    overlap of the host's work with the forward (engine.py) before it began."""
-    tensor = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
+def put_deferred(
+    input_ids: torch.Tensor, items: Sequence[WorkItem[Row]], deferred: DeferredTokens | None
+) -> None:
+    """Write the step's `deferred` tokens into its flat input ids [T] (each item's new tokens,
+    in item order), on the device: nothing is read back."""
+    if deferred is None:
+        return
+    starts, total = [], 0
+    for item in items:
+        starts.append(total)
+        total += item.num_new
+    at = to_device([starts[i] for i in deferred.items], input_ids.device, torch.long)
+    source = to_device(deferred.sources, input_ids.device, torch.long)
+    input_ids.index_copy_(0, at, deferred.values.index_select(0, source))
 
 
 def slots(table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
@@ -101,11 +109,11 @@ def pack_step(
     else:
         ctx = _gather_context(items, item_starts, block_size, device)
     return PackedStep(
-        to_device(tokens, device).unsqueeze(0),
-        to_device(positions, device).unsqueeze(0),
+        to_device(tokens, device, torch.long).unsqueeze(0),
+        to_device(positions, device, torch.long).unsqueeze(0),
         ctx,
         sample_rows,
-        to_device(sample_rows, device),
+        to_device(sample_rows, device, torch.long),
         item_starts,
     )
 
@@ -127,18 +135,42 @@ def _gather_context(
         else:
             history = slots(seq.block_table, 0, stop, block_size)
             slot_parts.append(history[start:])
-            prefill.append(SeqSlice(first, item.num_new, stop, history.to(device)))
+            prefill.append(SeqSlice(first, item.num_new, stop, to_device(history, device)))
     decode = None
     decode_index = None
     if decode_rows:
         rows = [row for _, row in decode_rows]
         tables = [r.block_table for r in rows]
         decode = DecodeStep.build(tables, [r.num_computed + 1 for r in rows], block_size, device)
-        decode_index = torch.tensor([i for i, _ in decode_rows], device=device)
+        decode_index = to_device([i for i, _ in decode_rows], device, torch.long)
     return StepContext(
-        slot_mapping=torch.cat(slot_parts).to(device),
+        slot_mapping=to_device(torch.cat(slot_parts), device),
         decode=decode,
         decode_index=decode_index,
         prefill=prefill,
         device=device,
     )
+
+
+SCORE_CHUNK = 64  # positions whose logits exist at once while scoring a prompt
+
+
+def score_positions(
+    hidden: torch.Tensor,
+    packed: PackedStep,
+    i: int,
+    item: WorkItem[Row],
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+) -> TokenLogprobs:
+    """Logprobs of the tokens that follow positions item.score.start..stop-1 of item `i`, the LM
+    head (`logits_of`) run on SCORE_CHUNK positions at a time, each part reduced at once."""
+    span, seq = item.score, item.seq
+    assert span is not None
+    first = packed.item_starts[i] + span.start - seq.num_computed
+    targets = seq.token_ids[span.start + 1 : span.stop + 1]
+    parts = []
+    for a in range(0, len(targets), SCORE_CHUNK):
+        b = min(a + SCORE_CHUNK, len(targets))
+        logits = logits_of(hidden[first + a : first + b])
+        parts.append(token_logprobs(logits, targets[a:b], num_top=span.num_top, with_ranks=True))
+    return TokenLogprobs.cat(parts)

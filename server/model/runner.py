@@ -9,19 +9,19 @@ and int8 quantizations (cpu_linear.py, quantization.py), and CUDA graphs of deco
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from decoding.logprobs import TokenLogprobs, token_logprobs
 from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
 from server.model.compiled_decode import (
     CompiledDecode,
@@ -40,20 +40,25 @@ from server.model.kv_budget import (
     worst_case_items,
 )
 from server.model.kv_pool import AttentionBinding, KVLayout, paged_kernel
-from server.model.packing import PackedStep, decode_inputs, pack_step, verify_inputs
+from server.model.packing import (
+    decode_inputs,
+    pack_step,
+    put_deferred,
+    score_positions,
+    verify_inputs,
+)
 from server.model.quantization import (
     quantize_decoder_w8a8,
     quantize_decoder_weights,
     quantized_lm_head,
 )
-from server.work import StepOutput, WorkItem
+from server.work import DeferredTokens, StepOutput, WorkItem
 
 log = logging.getLogger(__name__)
 _runner_ids = itertools.count()
 # Prompt positions per LM-head call when scoring a prompt: the logits of a whole 512-token chunk
 # over a 262k vocabulary would be half a gigabyte; 64 positions are 64 MiB (fp32), reduced to the
 # requested top-k before the next 64.
-SCORE_CHUNK = 64
 
 
 def compiler_available(device: torch.device) -> bool:
@@ -274,12 +279,18 @@ class ModelRunner:
         return input_ids, torch.tensor([positions], device=self.device), ctx
 
     def _decode_step(
-        self, tables: list[list[int]], tokens: list[int], positions: list[int]
+        self,
+        tables: list[list[int]],
+        tokens: list[int],
+        positions: list[int],
+        edit_tokens: Callable[[torch.Tensor], None] = lambda t: None,
     ) -> torch.Tensor:
-        """Logits [B, V] of B rows that each add `tokens[b]` at `positions[b]` (gather path)."""
+        """Logits [B, V] of B rows that each add `tokens[b]` at `positions[b]` (gather path);
+        `edit_tokens` may change the tokens on the device first."""
         lengths = [p + 1 for p in positions]
         ctx = DecodeStep.build(tables, lengths, self.block_size, self.device)
         input_ids = torch.tensor([tokens], device=self.device)
+        edit_tokens(input_ids[0])
         position_ids = torch.tensor([positions], device=self.device)
         return self._logits(self._decode(input_ids, position_ids, ctx))
 
@@ -290,27 +301,37 @@ class ModelRunner:
         return self._run_decode(input_ids, position_ids, ctx)
 
     @torch.inference_mode()
-    def execute(self, items: list[WorkItem], copies: list[tuple[int, int]]) -> StepOutput:
+    def execute(
+        self,
+        items: list[WorkItem],
+        copies: list[tuple[int, int]],
+        deferred: DeferredTokens | None = None,
+    ) -> StepOutput:
         """Run `items` as one forward pass: logits of the items that sample, in order, and the
-        logprobs of the positions the items ask to score."""
+        logprobs of the positions the items ask to score. `deferred`: input tokens still on the
+        device (the previous step's choices, not read back yet)."""
         self.kv_cache.copy_blocks(copies)
         if items and all(item.num_new == 1 + len(item.draft) and item.samples for item in items):
             seqs = [item.seq for item in items]
             drafts = any(item.draft for item in items)
+            edit = functools.partial(put_deferred, items=items, deferred=deferred)
             if not drafts and self.graphs is not None and self.graphs.fits(seqs):
-                return StepOutput(self.graphs.run(*decode_inputs(seqs)))
+                return StepOutput(self.graphs.run(*decode_inputs(seqs), edit))
             if self.attention_backend != "triton":  # drafts: one decode query row each
                 inputs = verify_inputs(items) if drafts else decode_inputs(seqs)
-                return StepOutput(self._decode_step(*inputs))
-        return self._execute_packed(items)
+                return StepOutput(self._decode_step(*inputs, edit))
+        return self._execute_packed(items, deferred)
 
-    def _execute_packed(self, items: Sequence[WorkItem]) -> StepOutput:
+    def _execute_packed(
+        self, items: Sequence[WorkItem], deferred: DeferredTokens | None = None
+    ) -> StepOutput:
         """The general path: tokens of every item packed as one row (prefill chunks, mixed)."""
         kernel = self.attention_backend == "triton"
         packed = pack_step(items, self.block_size, self.device, kernel=kernel)
+        put_deferred(packed.input_ids[0], items, deferred)
         hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
         scores = {
-            i: self._score(hidden, packed, i, item)
+            i: score_positions(hidden, packed, i, item, self._logits)
             for i, item in enumerate(items)
             if item.score is not None
         }
@@ -318,21 +339,3 @@ class ModelRunner:
             return StepOutput(hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scores)
         rows = hidden[packed.sample_index]
         return StepOutput(self._logits(rows), scores)
-
-    def _score(
-        self, hidden: torch.Tensor, packed: PackedStep, i: int, item: WorkItem
-    ) -> TokenLogprobs:
-        """Logprobs of the tokens that follow positions item.score.start..stop-1, the LM head
-        run on SCORE_CHUNK positions at a time and each part reduced to its top-k at once."""
-        span, seq = item.score, item.seq
-        assert span is not None
-        first = packed.item_starts[i] + span.start - seq.num_computed
-        targets = seq.token_ids[span.start + 1 : span.stop + 1]
-        parts = []
-        for a in range(0, len(targets), SCORE_CHUNK):
-            b = min(a + SCORE_CHUNK, len(targets))
-            logits = self._logits(hidden[first + a : first + b])
-            parts.append(
-                token_logprobs(logits, targets[a:b], num_top=span.num_top, with_ranks=True)
-            )
-        return TokenLogprobs.cat(parts)
