@@ -34,13 +34,21 @@ class RowParams:
     every_row: bool = False  # all R rows, in order: no gather / scatter of the rows needed
     largest: float = 0.0  # max(values) and max(min_keep), known on the host: reading them back
     max_keep: int = 1  # from the device would cost a sync
+    row_list: tuple[int, ...] = ()  # `rows` on the host
+
+    def rows_of(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores if self.every_row else scores[self.rows]
+
+    def put(self, scores: torch.Tensor, rows: torch.Tensor) -> None:
+        """scores[rows] = rows, in place."""
+        if self.every_row:
+            scores.copy_(rows)
+        else:
+            scores[self.rows] = rows
 
     def apply(self, scores: torch.Tensor, warp: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """scores[rows] = warp(scores[rows]), in place."""
-        if self.every_row:
-            scores.copy_(warp(scores))
-        else:
-            scores[self.rows] = warp(scores[self.rows])
+        self.put(scores, warp(self.rows_of(scores)))
 
 
 @dataclass
@@ -86,6 +94,7 @@ def build_warper_tensors(
             every_row=len(rows) == len(params),
             largest=max(values),
             max_keep=max(min_keep[r] for r in rows),
+            row_list=rows,
         )
 
     f32 = torch.float32
@@ -118,10 +127,17 @@ def apply_warpers_(
         else:
             scores[temp.rows] = scores[temp.rows] / temp.values
     bound = None  # entries a row can keep, known on the host (None: unknown)
+    top = None  # top-k's rows, their kmax largest entries once warped, and where those are
     if (rp := t.top_k) is not None:
-        kmax = int(rp.largest)
-        rp.apply(scores, lambda s: top_k_warp(s, rp.values, rp.min_keep, kmax))
-        bound = kmax
+        kmax = bound = int(rp.largest)
+        if exact:
+            rp.apply(scores, lambda s: top_k_warp(s, rp.values, rp.min_keep, kmax))
+        else:  # one topk serves top-k and the first sorting warper after it (on_support)
+            rows = rp.rows_of(scores)
+            largest, where = rows.topk(kmax, dim=-1)
+            kth = largest.gather(1, (rp.values - 1).unsqueeze(1))
+            rp.put(scores, rows.masked_fill(rows < kth, NEG_INF))
+            top = (rp, largest.masked_fill(largest < kth, NEG_INF), where)
     t.unsure = None
     for warp, sorted_rp in (
         (top_p_warp, t.top_p),
@@ -138,10 +154,16 @@ def apply_warpers_(
             else:
                 over = ((rows > NEG_INF).sum(dim=-1) > bound).any()
                 t.unsure = over if t.unsure is None else t.unsure | over
+        same = top is not None and (top[0].every_row, top[0].row_list) == (
+            sorted_rp.every_row,
+            sorted_rp.row_list,
+        )
+        kept = (top[1], top[2]) if same and top is not None else None
+        top = None  # the warpers after this one see what it kept
         sorted_rp.apply(
             scores,
-            lambda s, w=warp, p=sorted_rp, n=size: on_support(
-                w, s, p.values, p.min_keep, n, p.max_keep
+            lambda s, w=warp, p=sorted_rp, n=size, k=kept: on_support(
+                w, s, p.values, p.min_keep, n, p.max_keep, k
             ),  # type: ignore[misc]
         )
     return scores
@@ -162,13 +184,15 @@ def on_support(
     min_keep: torch.Tensor,
     support: int | None = None,
     max_keep: int | None = None,
+    largest: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run a sorting warper on the finite entries only when they are few (after top-k, say).
 
     -inf entries have probability 0 and stay -inf under every warper, so warping the compacted
     finite entries is the same computation (up to the order of exact ties, which HF's unstable
     sort leaves open too); sorting 64 values instead of 262k is what makes Gemma's default
-    top_k=64 + top_p=0.95 cheap.
+    top_k=64 + top_p=0.95 cheap. `largest`: the rows' `support` largest entries and where they
+    are, when the caller has them (top-k just found them: no second pass over the vocabulary).
     """
 
     def run(part: torch.Tensor, keep: torch.Tensor, most: int | None) -> torch.Tensor:
@@ -178,7 +202,8 @@ def on_support(
 
     if support is None or support * 4 > scores.shape[-1] or support == 0:
         return run(scores, min_keep, max_keep)
-    kept, index = scores.topk(support, dim=-1)  # rows with fewer finite entries pad with -inf
+    # rows with fewer finite entries pad with -inf
+    kept, index = largest if largest is not None else scores.topk(support, dim=-1)
     most = None if max_keep is None else min(max_keep, support)
     warped = run(kept, min_keep.clamp(max=support), most)
     return torch.full_like(scores, NEG_INF).scatter_(1, index, warped)

@@ -14,6 +14,7 @@ from decoding import (
     choose_tokens,
     process_logits,
     rank_samples,
+    sample,
     token_logprobs,
 )
 
@@ -193,3 +194,45 @@ def test_best_of_rows_draw_and_ask_for_logprobs() -> None:
     best = rank_samples(cumulative, 1)[0]
     assert cumulative[best] == max(cumulative)
     assert math.isfinite(cumulative[best])
+
+
+MIXED_WARPERS: list[dict[str, float | int]] = [
+    {"top_k": 40},
+    {"top_k": 40, "top_p": 0.8},
+    {"top_k": 10, "top_p": 0.9, "min_p": 0.05},
+    {"top_p": 0.7},
+    {"top_k": 25, "typical_p": 0.9},
+    {"min_p": 0.1, "top_k": 30},
+    {},
+]
+ALIGNED_WARPERS: list[dict[str, float | int]] = [  # every top-k row has top-p: one topk serves both
+    {"top_k": 5, "top_p": 0.9},
+    {"top_k": 40, "top_p": 0.7},
+    {"top_k": 17, "top_p": 0.95, "min_p": 0.02},
+]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("choices", [MIXED_WARPERS, ALIGNED_WARPERS], ids=["mixed", "aligned"])
+def test_the_one_read_path_equals_the_exact_one_for_mixed_warper_rows(
+    seed: int, choices: list[dict[str, float | int]]
+) -> None:
+    """`sample` (top-k's largest entries reused by the first sorting warper, nothing read back
+    but the tokens) gives the exact path's scores and tokens whichever rows use which warper."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, rows = 2000, 12
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    picks = torch.randint(len(choices), (rows,), generator=gen).tolist()
+    params = [
+        DecodingParams(temperature=0.5 + 0.1 * r, seed=r, **choices[c])  # type: ignore[arg-type]
+        for r, c in enumerate(picks)
+    ]
+    t = SamplingTensors.from_rows(params, [[1]] * rows, [[]] * rows, EOS, vocab, "cpu")
+
+    def generators() -> list[torch.Generator | None]:
+        return [torch.Generator().manual_seed(r) for r in range(rows)]
+
+    want = process_logits(logits, t)
+    scores, tokens = sample(logits, t, generators())
+    torch.testing.assert_close(scores, want)
+    assert tokens == choose_tokens(want, t, generators()).tolist()
