@@ -15,12 +15,13 @@ import pytest
 
 from decoding import DecodingParams
 from decoding.grammar import GrammarCompiler, GrammarSpec
+from server.config import ServerConfig
 from server.engine.engine import Engine
 from server.engine.in_flight import PLACEHOLDER
 from server.engine.request import EngineRequest
 from server.engine.sampling_step import PendingChoices
-from server.loading import schedules_async
-from tests.conftest import make_engine
+from server.loading import load_engine, schedules_async
+from tests.conftest import TEST_DEVICE_NAME, make_engine
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.test_host_syncs import PARAMS, ReadCounter
 from tests.test_overlap_outputs import PROMPTS, outputs, workload
@@ -238,3 +239,11 @@ def test_an_abort_with_tokens_in_flight_ends_the_request_once(llama_dir: Path) -
 )
 def test_async_setting(setting: str, device: str, expected: bool) -> None:
     assert schedules_async(setting, device) is expected
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_the_setting_reaches_the_engine_a_server_builds(llama_dir: Path, setting: str) -> None:
+    config = ServerConfig(
+        model=str(llama_dir), device=TEST_DEVICE_NAME, num_kv_blocks=64, async_scheduling=setting
+    )  # type: ignore[arg-type]
+    assert load_engine(config).engine.async_scheduling is (setting == "on")

@@ -154,8 +154,9 @@ def test_cuda_graphs_flag_reaches_the_config(
 def test_graphs_with_overlapped_outputs_give_the_same_streams(
     tiny_model_dirs: dict[str, Path],
 ) -> None:
-    """The CUDA defaults together (paged kernel, graphs, overlapped outputs), mid-generation
-    stop strings included: every stream equals the plain engine's, every block comes back."""
+    """The CUDA defaults together (paged kernel, graphs, overlapped outputs, async scheduling:
+    the graphs read their input tokens from the device), mid-generation stop strings included:
+    every stream equals the plain engine's, every block comes back."""
     model_dir = tiny_model_dirs["llama"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer(p).input_ids for p in PROMPTS[:4]]
@@ -168,6 +169,7 @@ def test_graphs_with_overlapped_outputs_give_the_same_streams(
             graph_runner(model_dir, cuda_graphs=graphs),
             tokenizer,
             overlap_outputs=overlap,
+            async_scheduling=overlap,
         )
         got = [
             generate(engine, [p], DecodingParams(max_tokens=16, temperature=0.0, stop=stop))[0]

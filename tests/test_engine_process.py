@@ -32,7 +32,12 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def config(model_dir: Path, engine_process: str) -> ServerConfig:
+    """The process runs with CUDA's other defaults too (overlapped outputs, async scheduling):
+    the thread, without them, is the reference."""
+    cuda_defaults = "on" if engine_process == "on" else "off"
     return ServerConfig(
+        overlap_outputs=cuda_defaults,  # type: ignore[arg-type]
+        async_scheduling=cuda_defaults,  # type: ignore[arg-type]
         model=str(model_dir),
         served_model_name="tiny",
         device=TEST_DEVICE_NAME,
