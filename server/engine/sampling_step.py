@@ -162,7 +162,11 @@ def choose_on_device(
     beam_only = all(p.is_beam for p in params)  # beams take their tokens from their searches
     drawn = draw(logits, tensors, generators, need_tokens=not beam_only)
     parts = [v for v in (draw_values(drawn), dead_rows(drawn.scores, mask)) if v is not None]
-    values = HostRead(torch.cat([p.long() for p in parts])) if parts else None
+    values = None
+    if parts:  # one tensor, one read (most steps: the tokens alone, no copy)
+        values = HostRead(
+            parts[0].long() if len(parts) == 1 else torch.cat([p.long() for p in parts])
+        )
     wanted = tensors.logprob_rows  # non-beam rows whose request asked for logprobs
     logprobs = None
     if wanted and drawn.tokens is not None:
