@@ -6,10 +6,11 @@ the repetition penalty as vLLM does], no-repeat-n-gram, bad words, min new token
 only ban tokens (-inf), so they commute with everything and are merged into one list of bans;
 bias and the repetition penalty do not commute, hence bias first like HF (vLLM too).
 
-Everything that depends on the token history is computed in `build_processor_tensors` from the
-Python token lists the engine already holds, as sparse (row, token) pairs: applying them touches
-only those entries (gather / scatter like HF's repetition penalty), never a dense [R, V] mask.
-A processor no row uses builds nothing and costs nothing.
+Everything that depends on the token history is computed in `build_processor_tensors` as sparse
+(row, token) pairs: applying them touches only those entries (gather / scatter like HF's
+repetition penalty), never a dense [R, V] mask. A processor no row uses builds nothing and costs
+nothing. The penalties read a row's `PenaltyHistory` when it has one: kept up to date token by
+token, it turns a step's Python work per row from O(history) into copying two arrays.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decoding.params import DecodingParams
@@ -70,16 +72,97 @@ class PairsBuilder:
     def build(self, vocab_size: int, device: torch.device | str) -> Pairs | None:
         if not self.rows:
             return None
-        tokens = torch.frombuffer(self.tokens, dtype=torch.long)
         counts = torch.tensor(self.counts)
-        rows = torch.tensor(self.rows).repeat_interleave(counts)
         values = torch.tensor(self.values, dtype=torch.float32)
         if not self.per_entry:
             values = values.repeat_interleave(counts)
-        if max(self.tokens) >= vocab_size:  # the API rejects these; never crash a shared batch
-            keep = tokens < vocab_size
-            tokens, rows, values = tokens[keep], rows[keep], values[keep]
-        return Pairs(to_device(rows, device), to_device(tokens, device), to_device(values, device))
+        return _pairs(self.tokens, torch.tensor(self.rows), counts, values, vocab_size, device)
+
+
+class CountPairsBuilder:
+    """Entries valued `scale * count + offset`, each row with its own scale and offset (the
+    frequency and presence penalties), computed as tensors (in float64, then float32: what
+    Python's arithmetic on the same numbers gives)."""
+
+    def __init__(self) -> None:
+        self.tokens = array("q")
+        self.counts = array("d")
+        self.sizes: list[int] = []
+        self.rows: list[int] = []
+        self.scales: list[float] = []
+        self.offsets: list[float] = []
+
+    def add(
+        self, row: int, tokens: Sequence[int], counts: Sequence[float], scale: float, offset: float
+    ) -> None:
+        if not len(tokens):
+            return
+        self.tokens.extend(tokens)
+        self.counts.extend(counts)
+        self.sizes.append(len(tokens))
+        self.rows.append(row)
+        self.scales.append(scale)
+        self.offsets.append(offset)
+
+    def build(self, vocab_size: int, device: torch.device | str) -> Pairs | None:
+        if not self.rows:
+            return None
+        sizes = torch.tensor(self.sizes)
+        f64 = torch.float64
+        counts = torch.frombuffer(self.counts, dtype=f64)
+        scales = torch.tensor(self.scales, dtype=f64).repeat_interleave(sizes)
+        values = scales * counts + torch.tensor(self.offsets, dtype=f64).repeat_interleave(sizes)
+        rows = torch.tensor(self.rows)
+        return _pairs(self.tokens, rows, sizes, values.float(), vocab_size, device)
+
+
+def _pairs(
+    flat_tokens: array,  # type: ignore[type-arg]
+    chunk_rows: torch.Tensor,
+    chunk_sizes: torch.Tensor,
+    values: torch.Tensor,
+    vocab_size: int,
+    device: torch.device | str,
+) -> Pairs:
+    tokens = torch.frombuffer(flat_tokens, dtype=torch.long)
+    rows = chunk_rows.repeat_interleave(chunk_sizes)
+    if np.frombuffer(flat_tokens, dtype=np.int64).max() >= vocab_size:  # the API rejects these;
+        keep = tokens < vocab_size  # never crash a shared batch
+        tokens, rows, values = tokens[keep], rows[keep], values[keep]
+    return Pairs(to_device(rows, device), to_device(tokens, device), to_device(values, device))
+
+
+class PenaltyHistory:
+    """One row's tokens as the penalties read them, kept up to date token by token (`append`):
+    the distinct tokens of prompt and output (the repetition penalty; HF's duplicates only write
+    one value twice) and each distinct output token with its count (presence and frequency).
+    Rebuilding these from the row's token list at every step is O(history) of Python per row:
+    for 256 rows of 1,000 tokens, 55 ms a step."""
+
+    def __init__(self, prompt_ids: TokenIds, output_ids: TokenIds) -> None:
+        self._seen = set(prompt_ids)
+        self.seen = array("q", self._seen)
+        self._index: dict[int, int] = {}
+        self.output_tokens = array("q")
+        self.output_counts = array("d")
+        for token in output_ids:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        if token not in self._seen:
+            self._seen.add(token)
+            self.seen.append(token)
+        i = self._index.get(token)
+        if i is None:
+            self._index[token] = len(self.output_tokens)
+            self.output_tokens.append(token)
+            self.output_counts.append(1.0)
+        else:
+            self.output_counts[i] += 1.0
+
+
+def uses_penalty_history(p: DecodingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
 @dataclass
@@ -100,26 +183,31 @@ def build_processor_tensors(
     eos_ids: Sequence[int] | frozenset[int],
     vocab_size: int,
     device: torch.device | str,
+    penalty_histories: Sequence[PenaltyHistory | None] | None = None,
 ) -> ProcessorTensors:
-    """Per-row processor entries from each row's params and (prompt, output) token ids; fields
-    stay None when no row uses that processor."""
-    bias, repetition, penalties, bans = (
-        PairsBuilder(),
-        PairsBuilder(),
-        PairsBuilder(),
-        PairsBuilder(),
-    )
+    """Per-row processor entries from each row's params and (prompt, output) token ids, the
+    penalties from the row's `PenaltyHistory` where `penalty_histories` has one (the same
+    entries, faster); fields stay None when no row uses that processor."""
+    bias, repetition, bans = PairsBuilder(), PairsBuilder(), PairsBuilder()
+    penalties = CountPairsBuilder()
     prompt_ids = [prompt for prompt, _ in histories]
     output_ids = [output for _, output in histories]
     for r, p in enumerate(params):
         if p.logit_bias:
             bias.add(r, list(p.logit_bias), list(p.logit_bias.values()))
+        state = penalty_histories[r] if penalty_histories is not None else None
         if p.repetition_penalty != 1.0:  # repeated tokens are harmless: equal writes of one value
-            repetition.add(r, [*prompt_ids[r], *output_ids[r]], p.repetition_penalty)
+            seen = state.seen if state is not None else [*prompt_ids[r], *output_ids[r]]
+            repetition.add(r, seen, p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
-            counts = Counter(output_ids[r])
-            deltas = [p.frequency_penalty * c + p.presence_penalty for c in counts.values()]
-            penalties.add(r, list(counts), deltas)
+            tokens: Sequence[int]
+            counts: Sequence[float]
+            if state is not None:
+                tokens, counts = state.output_tokens, state.output_counts
+            else:
+                counted = Counter(output_ids[r])
+                tokens, counts = list(counted), [float(c) for c in counted.values()]
+            penalties.add(r, tokens, counts, p.frequency_penalty, p.presence_penalty)
         if p.no_repeat_ngram_size:
             history = torch.tensor(list(prompt_ids[r]) + list(output_ids[r]), dtype=torch.long)
             bans.add(r, ngram_bans(history, p.no_repeat_ngram_size), 0.0)

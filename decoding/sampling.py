@@ -30,6 +30,7 @@ import torch
 from decoding.constraints import ConstraintMask, apply_constraint_mask_
 from decoding.params import BEAM_STRATEGIES, DecodingParams
 from decoding.processors import (
+    PenaltyHistory,
     ProcessorTensors,
     TokenIds,
     apply_processors_,
@@ -65,6 +66,7 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         constraint: ConstraintMask | None = None,
+        penalty_histories: Sequence[PenaltyHistory | None] | None = None,
     ) -> SamplingTensors:
         """Tensors for R rows: each row's params, its prompt and the tokens it generated so far.
 
@@ -72,6 +74,7 @@ class SamplingTensors:
         with its own `output_ids`. `eos_ids` are the model's EOS ids (the request's
         `stop_token_ids` and `ignore_eos` are applied per row). `constraint`: the mask of
         the constrained rows (`build_constraint_mask`, constraints.py), if any.
+        `penalty_histories`: the rows' kept penalty state, where they have one (processors.py).
         """
         strategies = [p.strategy for p in params]
         beam = [s in BEAM_STRATEGIES for s in strategies]
@@ -86,7 +89,12 @@ class SamplingTensors:
         return cls(
             num_rows=len(params),
             processors=build_processor_tensors(
-                params, list(zip(prompt_ids, output_ids)), eos_ids, vocab_size, device
+                params,
+                list(zip(prompt_ids, output_ids)),
+                eos_ids,
+                vocab_size,
+                device,
+                penalty_histories,
             ),
             warpers=build_warper_tensors(params, warped, min_keep, vocab_size, device),
             beam_rows=to_device(beam_list, device, torch.long) if beam_list else None,

@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 )
 
 from decoding import DecodingParams, SamplingTensors, process_logits
-from decoding.processors import bad_word_bans, ngram_bans
+from decoding.processors import PenaltyHistory, bad_word_bans, ngram_bans
 
 V = 40
 EOS = frozenset({2})
@@ -280,3 +280,34 @@ def test_warpers_after_top_k_on_a_wide_vocabulary_match_hf(seed: int) -> None:
     ours = process_logits(logits, t)
     for r, (_, warpers) in enumerate(cases):
         assert_rows_match(ours[r], hf_row(warpers, [], [], logits[r]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_penalty_histories_give_the_rebuilt_entries(seed: int) -> None:
+    """A row's `PenaltyHistory`, made from a prefix of its tokens and then appended to token by
+    token (as the engine's commits do), processes scores exactly as the token lists do."""
+    rows = 6
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 12, (6,), generator=g).tolist() for _ in range(rows)]
+    outputs = [torch.randint(0, 15, (5 + 3 * r,), generator=g).tolist() for r in range(rows)]
+    params = [
+        DecodingParams(repetition_penalty=1.3, seed=1),
+        DecodingParams(frequency_penalty=0.7, presence_penalty=0.4),
+        DecodingParams(repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=1.5),
+        DecodingParams(),
+        DecodingParams(frequency_penalty=1.1, logit_bias={3: 2.0}),
+        DecodingParams(repetition_penalty=1.2, presence_penalty=-0.3, no_repeat_ngram_size=2),
+    ]
+    kept = []
+    for prompt, output in zip(prompts, outputs):
+        state = PenaltyHistory(prompt, output[: len(output) // 2])
+        for token in output[len(output) // 2 :]:
+            state.append(token)
+        kept.append(state)
+    logits = random_logits(rows, seed)
+    rebuilt = SamplingTensors.from_rows(params, prompts, outputs, EOS, V, "cpu")
+    from_kept = SamplingTensors.from_rows(
+        params, prompts, outputs, EOS, V, "cpu", penalty_histories=[*kept[:3], None, *kept[4:]]
+    )
+    assert torch.equal(process_logits(logits, from_kept), process_logits(logits, rebuilt))
+    assert sorted(kept[0].seen) == sorted(set(prompts[0]) | set(outputs[0]))

@@ -320,3 +320,34 @@ def test_verification_keeps_a_sampled_rows_distribution() -> None:
     assert chi2 < 20.5  # df = 5: p < 0.001
     assert abs(kept / trials - float(p[draft])) < 0.03
     assert isinstance(seq, Sequence)
+
+
+def test_kept_penalty_histories_change_no_output(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows keep their penalty state between steps (decoding/processors.py `PenaltyHistory`,
+    updated by every commit): with drafts accepted, `n` forks, stop strings and logprobs, every
+    output equals an engine that rebuilds the penalties from the token lists at each step."""
+    penalized = [
+        DecodingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3, logprobs=2),
+        DecodingParams(max_tokens=30, temperature=0.0, frequency_penalty=0.6),
+        DecodingParams(
+            max_tokens=24, temperature=0.9, seed=5, n=2, presence_penalty=0.5,
+            repetition_penalty=1.1, stop=("la la",),
+        ),
+    ]  # fmt: skip
+    results = []
+    for keep in (True, False):
+        if not keep:
+            monkeypatch.setattr("server.engine.sampling_step.penalty_histories", lambda r, p: None)
+        engine = make_engine(llama_dir, speculative_tokens=8)
+        got = [
+            submit(engine, f"{i}-{j}", engine.tokenizer(text * 2).input_ids, params)
+            for i, text in enumerate(LOOPING)
+            for j, params in enumerate(penalized)
+        ]
+        run_to_completion(engine)
+        results.append([g.choices() for g in got])
+        assert engine.stats.spec_accepted_tokens > 0
+        assert engine.pool.num_free == engine.pool.num_blocks
+    assert results[0] == results[1]

@@ -54,6 +54,8 @@ class OutputProcessor:
         Its text waits for `render_pending`, which may still end the row on a stop string."""
         req, params = seq.request, seq.request.params
         seq.token_ids.append(token)
+        if seq.penalties is not None:
+            seq.penalties.append(token)
         if logprob is not None:
             seq.cumulative_logprob += logprob.logprob
             if params.logprobs is not None:
@@ -185,6 +187,7 @@ def _drop_after(seq: Sequence, position: int) -> None:
     dropped = len(seq.token_ids) - position - 1
     if dropped > 0:
         del seq.token_ids[position + 1 :]
+        seq.penalties = None  # it counted them
         del seq.logprobs[seq.num_output :]
         seq.request.generated_tokens -= dropped  # what its usage and metrics report
 

@@ -15,6 +15,7 @@ import torch
 
 from decoding import BeamSearch, DecodingParams, GroupBeamSearch, make_beam_search
 from decoding.constraints import TokenConstraint
+from decoding.processors import PenaltyHistory
 from decoding.speculation import RowDrafts
 from server.engine.detokenizer import IncrementalDetokenizer
 
@@ -125,6 +126,9 @@ class Sequence:
     text: SequenceText | None = None  # streaming rows only (see output_processor.py)
     constraint: TokenConstraint | None = None  # this row's own state (decoding/constraints.py)
     drafts: RowDrafts | None = None  # n-gram speculation (made at its first draft; forks anew)
+    # the penalties' view of its tokens, made at its first penalized step and kept up to date by
+    # every commit (decoding/processors.py); None again when tokens are taken back
+    penalties: PenaltyHistory | None = None
 
     @property
     def output_ids(self) -> list[int]:

@@ -23,6 +23,8 @@ from decoding.constraints import (
     dead_rows,
     read_dead_rows,
 )
+from decoding.params import DecodingParams
+from decoding.processors import PenaltyHistory, uses_penalty_history
 from decoding.sampling import Draw, draw, draw_values, settle
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
@@ -44,6 +46,7 @@ class ChoosingRow(Protocol):
 
     request: EngineRequest
     constraint: TokenConstraint | None
+    penalties: PenaltyHistory | None
 
     @property
     def output_ids(self) -> list[int]: ...
@@ -157,6 +160,7 @@ def choose_on_device(
         vocab,
         logits.device,
         constraint=mask,
+        penalty_histories=penalty_histories(rows, params),
     )
     generators = [s.request.generator for s in rows]
     beam_only = all(p.is_beam for p in params)  # beams take their tokens from their searches
@@ -174,6 +178,21 @@ def choose_on_device(
     return PendingChoices(
         rows, logits, tensors, drawn, mask, mask_seconds, values, wanted, logprobs
     )
+
+
+def penalty_histories(
+    rows: Rows[ChoosingRow], params: list[DecodingParams]
+) -> list[PenaltyHistory | None] | None:
+    """Each penalized row's kept penalty state, made at its first penalized step (a `Sequence`;
+    a draft position reads its lists)."""
+    if not any(uses_penalty_history(p) for p in params):
+        return None
+    out: list[PenaltyHistory | None] = []
+    for row, p in zip(rows, params):
+        if row.penalties is None and isinstance(row, Sequence) and uses_penalty_history(p):
+            row.penalties = PenaltyHistory(row.request.prompt_ids, row.output_ids)
+        out.append(row.penalties)
+    return out
 
 
 def choose(rows: Rows[ChoosingRow], logits: torch.Tensor, eos_ids: frozenset[int]) -> Choices:

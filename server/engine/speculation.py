@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.constraints import TokenConstraint
+from decoding.processors import PenaltyHistory
 from decoding.speculation import DraftLength, RowDrafts, accepted_length
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
@@ -41,6 +42,8 @@ class DraftPosition:
     request: EngineRequest
     output_ids: list[int]
     constraint: TokenConstraint | None
+    penalties: PenaltyHistory | None = None  # always None: a draft position is made per step,
+    # its penalties read `output_ids`
 
 
 @dataclass
