@@ -20,6 +20,7 @@ hidden). On the CPU a free step costs what a timed one does.
 
     python -m benchmarks.engine_overhead                      # 16, 64, 256 rows; three row kinds
     python -m benchmarks.engine_overhead --rows 256 --kinds greedy --steps 50
+    python -m benchmarks.engine_overhead --rows 256 --kinds sampled --prompt-tokens 1000
 """
 
 from __future__ import annotations
@@ -135,9 +136,10 @@ def measure(
     warmup: int = 5,
     overlap_outputs: bool = False,
     async_scheduling: bool = False,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> Result:
     per_request = BEAMS if kind == "beam" else 1
-    max_len = PROMPT_TOKENS + warmup + 2 * steps + 8  # timed and free steps
+    max_len = prompt_tokens + warmup + 2 * steps + 8  # timed and free steps
     block_size = 16
     runner = ModelRunner(
         model_dir,
@@ -151,7 +153,7 @@ def measure(
         runner,
         tokenizer,
         max_num_seqs=rows,
-        max_num_batched_tokens=max(512, rows * PROMPT_TOKENS),
+        max_num_batched_tokens=max(512, min(rows * prompt_tokens, 16384)),
         max_model_len=max_len + 8,
         overlap_outputs=overlap_outputs,
         **({"async_scheduling": True} if async_scheduling else {}),  # older engines lack it
@@ -161,7 +163,7 @@ def measure(
     outputs: deque[object] = deque(maxlen=4096)  # emitted outputs, dropped as a client would
     vocab = runner.vocab_size
     for i in range(rows // per_request):
-        prompt = [4 + (i * 7 + j * 13) % (vocab - 4) for j in range(PROMPT_TOKENS)]
+        prompt = [4 + (i * 7 + j * 13) % (vocab - 4) for j in range(prompt_tokens)]
         engine.submit(EngineRequest(str(i), prompt, KINDS[kind](i), outputs.append))
     while engine.num_waiting or engine.scheduler.num_running_rows < rows:
         engine.step()
@@ -215,6 +217,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument(
         "--async-scheduling", action="store_true", help="read a step's tokens during the next"
     )
+    ap.add_argument(
+        "--prompt-tokens", type=int, default=PROMPT_TOKENS, help="prompt length of every row"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -230,6 +235,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 device,
                 overlap_outputs=args.overlap_outputs,
                 async_scheduling=args.async_scheduling,
+                prompt_tokens=args.prompt_tokens,
             )
             for kind in args.kinds.split(",")
             for rows in args.rows.split(",")
