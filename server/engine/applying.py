@@ -52,6 +52,15 @@ class ChoiceApplier:
             if req.finished:  # ended while its tokens were in flight: nothing to apply
                 start += 1
                 continue
+            if len(req.rows) == 1 and req.search is None and not batch.drafts[start]:
+                at = batch.starts[start]  # its position (rows before it may have drafted)
+                if at not in choices.no_token:  # one row, one token: no outcome to work out
+                    self.recorder.tokens(req, 1, now)
+                    self._append(rows[start], choices.tokens[at], choices.logprobs.get(at))
+                else:
+                    self._apply_row(rows[start], batch.outcome(start, choices))
+                start += 1
+                continue
             span = slice(start, start + len(req.rows))
             if req.search is not None:
                 beam_reqs.append((req, batch.span(span)))

@@ -87,8 +87,13 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
         """Give `seq` room for `num_new` more tokens, privately owned where they are written."""
-        self.pool.grow(seq.block_table, seq.num_computed + num_new)
         bs = self.pool.block_size
+        if num_new == 1 and seq.num_computed < len(seq.block_table) * bs:  # a decode row's slot:
+            copy = self.pool.ensure_writable(seq.block_table, seq.num_computed // bs)  # its block
+            if copy is not None:  # is there; shared (a fork), it is copied first
+                plan.copies.append(copy)
+            return
+        self.pool.grow(seq.block_table, seq.num_computed + num_new)
         for index in range(seq.num_computed // bs, (seq.num_computed + num_new - 1) // bs + 1):
             copy = self.pool.ensure_writable(seq.block_table, index)
             if copy is not None:
@@ -134,7 +139,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            items = plan_rows(request.rows, budget)
+            if len(request.rows) == 1 and request.rows[0].num_pending == 1:  # a decode row
+                items = [WorkItem(request.rows[0], 1)]  # (plan_rows' answer, without its work)
+            else:
+                items = plan_rows(request.rows, budget)
             try:
                 for item in items:
                     self._reserve(item.seq, item.num_new, plan)
