@@ -213,15 +213,19 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan) -> list[WorkItem[Sequence]]:
         """The step ran: its tokens are in the cache, and every block it filled is offered to the
         prefix cache. Returns the items whose rows sample now (their chunk reached the end)."""
-        sampling = [item for item in plan.items if item.samples]
+        sampling = []
+        cache, bs = self.prefix_cache, self.pool.block_size
         for item in plan.items:
+            if item.samples:
+                sampling.append(item)
             seq = item.seq
             if seq.retired:  # ended by a stop string while the step ran (overlapped outputs)
                 continue
             computed = item.num_new - len(item.draft)  # drafts count once accepted
+            before = seq.num_computed
             seq.num_computed += computed
-            if self.prefix_cache is not None:
-                self.prefix_cache.register(seq, seq.num_computed - computed)
+            if cache is not None and seq.num_computed // bs > before // bs:  # a block filled
+                cache.register(seq, before)
         return sampling
 
     def fork_row(
@@ -257,8 +261,8 @@ class Scheduler:
 
         def expands(seq: Sequence) -> bool:
             req = seq.request
-            return (
-                req.search is None and req.width > 1 and not seq.num_output and len(req.rows) == 1
+            return (  # cheapest test first: a row with output never expands
+                not seq.num_output and req.search is None and req.width > 1 and len(req.rows) == 1
             )
 
         if not any(expands(seq) for seq in rows):
