@@ -247,3 +247,30 @@ def test_the_setting_reaches_the_engine_a_server_builds(llama_dir: Path, setting
         model=str(llama_dir), device=TEST_DEVICE_NAME, num_kv_blocks=64, async_scheduling=setting
     )  # type: ignore[arg-type]
     assert load_engine(config).engine.async_scheduling is (setting == "on")
+
+
+def test_a_read_that_fails_ends_the_requests_in_flight_and_the_engine_goes_on(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both the request that goes on and one at its length limit (no placeholder, not in the next
+    step) end with an error; nothing hangs, every block comes back, later requests are served."""
+    engine = make_engine(llama_dir, async_scheduling=True)
+    prompt = engine.tokenizer(PROMPTS[0]).input_ids
+    going_on = submit(engine, "on", prompt, DecodingParams(max_tokens=20, temperature=0))
+    at_limit = submit(engine, "last", prompt, DecodingParams(max_tokens=1, temperature=0))
+    engine.step()  # prefill, first tokens in flight
+    assert engine._in_flight is not None
+    read = PendingChoices.read
+
+    def broken(self: PendingChoices):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(PendingChoices, "read", read)  # once
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(PendingChoices, "read", broken)
+    run_to_completion(engine)
+    for got in (going_on, at_limit):
+        assert got.finish_reason == "error" and got.finished
+    assert_drained(engine)
+    later = submit(engine, "later", prompt, DecodingParams(max_tokens=5, temperature=0))
+    run_to_completion(engine)
+    assert later.finish_reason == "length" and len(later.token_ids) == 5

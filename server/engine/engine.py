@@ -218,11 +218,12 @@ class Engine:
     def _land(self) -> bool:
         """Read back and apply the tokens of the step in flight, if any (async scheduling);
         True when a top-k tie changed a token from the one the device chose."""
-        flight, self._in_flight = self._in_flight, None
+        flight = self._in_flight
         if flight is None:
             return False
         choices = flight.land()
         self.applier.apply(flight.batch, choices, flight.pending.logits)
+        self._in_flight = None  # only now: a step that fails here fails its requests (_step)
         return choices.refined
 
     def fail_all(self, message: str) -> None:
