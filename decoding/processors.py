@@ -179,19 +179,19 @@ class ProcessorTensors:
 
 def build_processor_tensors(
     params: Sequence[DecodingParams],
-    histories: Sequence[tuple[TokenIds, TokenIds]],
+    prompt_ids: Sequence[TokenIds],
+    output_ids: Sequence[TokenIds],
     eos_ids: Sequence[int] | frozenset[int],
     vocab_size: int,
     device: torch.device | str,
     penalty_histories: Sequence[PenaltyHistory | None] | None = None,
 ) -> ProcessorTensors:
-    """Per-row processor entries from each row's params and (prompt, output) token ids, the
-    penalties from the row's `PenaltyHistory` where `penalty_histories` has one (the same
-    entries, faster); fields stay None when no row uses that processor."""
+    """Per-row processor entries from each row's params and its prompt and output token ids (read
+    only for the rows whose processors need them), the penalties from the row's `PenaltyHistory`
+    where `penalty_histories` has one (the same entries, faster); fields stay None when no row
+    uses that processor."""
     bias, repetition, bans = PairsBuilder(), PairsBuilder(), PairsBuilder()
     penalties = CountPairsBuilder()
-    prompt_ids = [prompt for prompt, _ in histories]
-    output_ids = [output for _, output in histories]
     for r, p in enumerate(params):
         if p.logit_bias:
             bias.add(r, list(p.logit_bias), list(p.logit_bias.values()))

@@ -90,7 +90,8 @@ class SamplingTensors:
             num_rows=len(params),
             processors=build_processor_tensors(
                 params,
-                list(zip(prompt_ids, output_ids)),
+                prompt_ids,
+                output_ids,
                 eos_ids,
                 vocab_size,
                 device,

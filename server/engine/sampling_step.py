@@ -155,7 +155,7 @@ def choose_on_device(
     tensors = SamplingTensors.from_rows(
         params,
         [s.request.prompt_ids for s in rows],
-        [s.output_ids for s in rows],
+        OutputIds(rows),
         eos_ids,
         vocab,
         logits.device,
@@ -178,6 +178,20 @@ def choose_on_device(
     return PendingChoices(
         rows, logits, tensors, drawn, mask, mask_seconds, values, wanted, logprobs
     )
+
+
+class OutputIds(Rows[list[int]]):
+    """Each row's output token ids, sliced from its tokens only when read (most steps read
+    none: a row's penalties keep their own state)."""
+
+    def __init__(self, rows: Rows[ChoosingRow]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, r: int) -> list[int]:  # type: ignore[override]
+        return self.rows[r].output_ids
 
 
 def penalty_histories(
