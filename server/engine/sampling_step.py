@@ -4,6 +4,9 @@ Per-row parameters become tensors once per step (`SamplingTensors`), constrained
 allowed-token mask (`build_constraint_mask`), the logits are processed (mask, penalties, bans,
 warpers) and a token is chosen per row; rows whose request asked for logprobs (beams excepted:
 beams.py keeps theirs) get the raw model's logprob of that token and its top alternatives.
+All of it is queued on the device (`choose_on_device`) and read back in one go (`read`), at once
+or, with async scheduling, once the next step's forward is queued (in_flight.py). Penalized rows
+keep their penalty state between steps (`Sequence.penalties`).
 """
 
 from __future__ import annotations
@@ -97,14 +100,15 @@ class PendingChoices:
     def read(self) -> Choices:
         """The choices as Python values; `refined` says a tie made the device's tokens wrong."""
         t, drawn = self.tensors, self.drawn
-        values = self.values.values() if self.values is not None else []
-        dead = values[len(values) - len(self.mask.row_list) :] if self.mask is not None else []
-        values = values[: len(values) - len(dead)]
+        read = self.values.values() if self.values is not None else []
+        dead = read[len(read) - len(self.mask.row_list) :] if self.mask is not None else []
+        read = read[: len(read) - len(dead)]  # the tokens, then the tie flag if there is one
+        on_device = read[:-1] if drawn.unsure is not None else read  # the device's tokens
         generators = [s.request.generator for s in self.rows]
         scores, tokens = (
-            settle(drawn, values, self.logits, t, generators) if values else (drawn.scores, [])
+            settle(drawn, read, self.logits, t, generators) if read else (drawn.scores, [])
         )
-        refined = drawn.unsure is not None and tokens != values
+        refined = tokens != on_device
         logprobs: dict[int, TokenLogprob] = {}
         if self.logprob_rows:
             wanted = self.logprob_rows
@@ -207,11 +211,6 @@ def penalty_histories(
             row.penalties = PenaltyHistory(row.request.prompt_ids, row.output_ids)
         out.append(row.penalties)
     return out
-
-
-def choose(rows: Rows[ChoosingRow], logits: torch.Tensor, eos_ids: frozenset[int]) -> Choices:
-    """Process `logits` [R, V] of `rows` and choose each row's next token."""
-    return choose_on_device(rows, logits, eos_ids).read()
 
 
 def select_items(
