@@ -162,12 +162,6 @@ def apply_constraint_mask_(scores: torch.Tensor, mask: ConstraintMask) -> None:
         offset += n
 
 
-def rows_without_tokens(scores: torch.Tensor, mask: ConstraintMask | None) -> set[int]:
-    """Constrained rows whose processed `scores` leave no token to choose."""
-    dead = dead_rows(scores, mask)
-    return set() if dead is None else read_dead_rows(dead.tolist(), mask)
-
-
 def dead_rows(scores: torch.Tensor, mask: ConstraintMask | None) -> torch.Tensor | None:
     """[C] bool on the device: whether each constrained row has nothing left (None: no rows)."""
     if mask is None:
