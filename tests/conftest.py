@@ -36,6 +36,16 @@ torch.set_num_threads(2)
 TEST_DEVICE = torch.device(TEST_DEVICE_NAME)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cpu_only` skip on another device (the GPU kit's run), with the reason."""
+    if TEST_DEVICE_NAME == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"cpu_only: not on BEAMLINE_TEST_DEVICE={TEST_DEVICE_NAME}")
+    for item in items:
+        if item.get_closest_marker("cpu_only") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")

@@ -120,6 +120,7 @@ def test_engine_on_the_kernel_generates_what_the_reference_path_does(
     assert runs["triton"] == runs["gather"]
 
 
+@pytest.mark.cpu_only  # the interpreted kernel on a CPU device needs TRITON_INTERPRET (conftest)
 def test_backend_choice() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert pick_attention_backend("auto", cpu, False) == "gather"
