@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -245,5 +246,9 @@ def format_report(doc: dict) -> str:
 
 
 def write_json(doc: dict, path: Path) -> None:
+    """Atomically (a temporary file in the same folder, then a rename): a run killed while it
+    rewrites its results leaves the previous version whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)

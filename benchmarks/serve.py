@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -302,8 +304,13 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 # ---- the system under test -----------------------------------------------------------------------
 async def bench_server(
-    args: argparse.Namespace, target: CompletionTarget, workload: Workload, label: str | None = None
+    args: argparse.Namespace,
+    target: CompletionTarget,
+    workload: Workload,
+    label: str | None = None,
+    on_run: Callable[[SystemResult], None] = lambda result: None,
 ) -> SystemResult:
+    """The load at every level; `on_run` gets the result after each level (it writes the JSON)."""
     label = label or args.label
     async with make_client(1, target.request_timeout_s, target.api_key) as client:
         for i in range(args.warmup):
@@ -328,6 +335,7 @@ async def bench_server(
                 f"{label} rate={level:g}",
             )
         result.runs.append(Run(level, summarize(res, dur)))
+        on_run(result)
         m = result.runs[-1].metrics
         tqdm.write(
             f"{label} {'c' if args.mode == 'concurrency' else 'rate'}={level:g}: "
@@ -342,13 +350,10 @@ async def bench_server(
 
 
 # ---- baselines -----------------------------------------------------------------------------------
-def run_baselines(
-    args: argparse.Namespace, workload: Workload, phases: dict[str, float]
-) -> tuple[list[SystemResult], dict[str, str]]:
-    """Run the chosen baselines one after the other; `phases` gets each one's wall time (load
-    included)."""
-    systems: list[SystemResult] = []
-    skipped: dict[str, str] = {}
+def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progress) -> None:
+    """Run the chosen baselines one after the other into `progress` (written after each point);
+    its phases get each one's wall time (load included)."""
+    phases, skipped = progress.phases, progress.skipped
     reqs = list(workload.requests)
     wants_hf = {"hf-static", "hf-sequential"} & set(args.baseline_names)
     if wants_hf:
@@ -363,7 +368,7 @@ def run_baselines(
         if "hf-sequential" in wants_hf:
             res, dur = hf_baseline.run_static_batches(hf, reqs, 1, args.ignore_eos, "hf sequential")
             seq = Run(1, summarize(res, dur))
-            systems.append(
+            progress.add(
                 SystemResult(
                     "hf-sequential",
                     f"HF generate() sequential ({args.dtype})",
@@ -385,13 +390,13 @@ def run_baselines(
                         static.runs.append(
                             Run(1, seq.metrics, "same run as hf-sequential (batch of 1)")
                         )
+                        progress.add(static)
                     continue
                 res, dur = hf_baseline.run_static_batches(
                     hf, reqs, c, args.ignore_eos, f"hf static b={c}"
                 )
                 static.runs.append(Run(c, summarize(res, dur)))
-            if static.runs:
-                systems.append(static)
+                progress.add(static)
         del hf
         phases["hf_baselines"] = time.perf_counter() - t0
     if "llama-cpp" in args.baseline_names:
@@ -405,7 +410,8 @@ def run_baselines(
         else:
             runner = llamacpp_baseline.LlamaCppRunner(gguf, args.llama_threads, args.llama_n_ctx)
             res, dur = runner.run_sequential(reqs, args.ignore_eos)
-            systems.append(
+            phases["llama_cpp"] = time.perf_counter() - t0
+            progress.add(
                 SystemResult(
                     "llama-cpp",
                     llamacpp_baseline.LABEL,
@@ -421,7 +427,6 @@ def run_baselines(
                     },
                 )
             )
-            phases["llama_cpp"] = time.perf_counter() - t0
     for name in ("llama-server", "llama-server-ngram"):
         if name not in args.baseline_names:
             continue
@@ -434,20 +439,18 @@ def run_baselines(
         else:
             log_path = server_log_path(args).with_name(f"{name}.log")
             levels = [int(c) for c in args.levels]
-            systems.append(
-                llama_server.measure(
-                    gguf,
-                    reqs,
-                    levels,
-                    log_path,
-                    args.ignore_eos,
-                    args.llama_threads,
-                    chat=workload.chat,
-                    ngram=name == "llama-server-ngram",
-                )
+            result = llama_server.measure(
+                gguf,
+                reqs,
+                levels,
+                log_path,
+                args.ignore_eos,
+                args.llama_threads,
+                chat=workload.chat,
+                ngram=name == "llama-server-ngram",
             )
             phases[name.replace("-", "_")] = time.perf_counter() - t0
-    return systems, skipped
+            progress.add(result)
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -508,7 +511,11 @@ def server_log_path(args: argparse.Namespace) -> Path:
 
 
 async def _measure(
-    args: argparse.Namespace, base_url: str, workload: Workload, label: str | None = None
+    args: argparse.Namespace,
+    base_url: str,
+    workload: Workload,
+    label: str | None = None,
+    on_run: Callable[[SystemResult], None] = lambda result: None,
 ) -> tuple[SystemResult | dict, str]:
     model = args.model_name or first_model_id(base_url, args.api_key)
     if args.structured:
@@ -527,15 +534,17 @@ async def _measure(
         api_key=args.api_key,
         chat=workload.chat,
     )
-    return await bench_server(args, target, workload, label), model
+    return await bench_server(args, target, workload, label, on_run), model
 
 
 def measure_server(
-    args: argparse.Namespace, workload: Workload
+    args: argparse.Namespace,
+    workload: Workload,
+    on_run: Callable[[SystemResult], None] = lambda result: None,
 ) -> tuple[SystemResult | dict, dict]:
     """Run the load (or the beam case) against the launched or given server."""
     if not args.launch_beamline:
-        res, model = asyncio.run(_measure(args, args.base_url, workload))
+        res, model = asyncio.run(_measure(args, args.base_url, workload, on_run=on_run))
         return res, {"base_url": args.base_url, "model_name": model}
     extra = ["--dtype", args.dtype, "--device", args.device, *shlex.split(args.beamline_args)]
     with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (
@@ -543,7 +552,7 @@ def measure_server(
         ready_s,
     ):
         print(f"beamline healthy after {ready_s:.1f} s at {url}", file=sys.stderr)
-        res, model = asyncio.run(_measure(args, url, workload))
+        res, model = asyncio.run(_measure(args, url, workload, on_run=on_run))
     return res, {
         "base_url": url,
         "model_name": model,
@@ -552,23 +561,138 @@ def measure_server(
     }
 
 
-def measure_variants(args: argparse.Namespace, workload: Workload) -> list[SystemResult]:
-    """Each --compare-beamline configuration, launched in turn on the same workload and loads."""
-    systems = []
+class Progress:
+    """The serve JSON, rewritten after every measured point (each level of each system): a run
+    cut short (a GPU command's time limit, a crash) keeps what it measured, a beamline that does
+    not start is listed under `skipped` with the reason, and `complete` says whether the run
+    reached its end."""
+
+    def __init__(
+        self, args: argparse.Namespace, workload: Workload, argv: list[str] | None
+    ) -> None:
+        self.args = args
+        self.workload = workload
+        self.argv = sys.argv[1:] if argv is None else argv
+        self.started = time.time()
+        self.machine = machine_info()
+        self.server: dict = {}
+        self.ours: SystemResult | None = None
+        self.others: list[SystemResult] = []  # the --compare-beamline variants, then baselines
+        self.skipped: dict[str, str] = {}
+        self.phases: dict[str, float] = {}
+        self.json_path, self.png_path = result_paths(args, "serve")
+
+    def add(self, result: SystemResult) -> None:
+        """Record a point of `result` (a system seen for the first time joins the others)."""
+        if result is not self.ours and not any(result is r for r in self.others):
+            self.others.append(result)
+        self.write()
+
+    def doc(self, complete: bool) -> dict:
+        args = self.args
+        ours = self.ours or SystemResult(args.label, args.label, "server")  # it never started
+        systems = ([self.ours] if self.ours else []) + self.others
+        return {
+            "benchmark": "serve",
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.started)),
+            "argv": self.argv,
+            "machine": self.machine,
+            "server": self.server,
+            "mode": args.mode,
+            "short": args.short,
+            "ignore_eos": args.ignore_eos,
+            "workload": self.workload.describe(),
+            "system_under_test": ours.name,
+            "systems": {s.name: s.to_dict() for s in systems},
+            "ratios": ratio_rows(ours, self.others),
+            "recorded_peers": peer_rows(ours, args.mode, peers_comparable(args)),
+            "recorded_note": RECORDED_NOTE,
+            "skipped": self.skipped,
+            "duration_s": time.time() - self.started,
+            "phase_seconds": self.phases,
+            "plot": str(self.png_path) if plotting_available() else None,
+            "complete": complete,
+        }
+
+    def write(self, complete: bool = False) -> dict:
+        doc = self.doc(complete)
+        write_json(doc, self.json_path)
+        return doc
+
+
+def plotting_available() -> bool:
+    """matplotlib may be missing where the wheels are few (a GPU machine): the plot is then drawn
+    later from the JSON (`benchmarks.plot.plot_results`)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def measure_variants(args: argparse.Namespace, workload: Workload, progress: Progress) -> bool:
+    """Each --compare-beamline configuration, launched in turn on the same workload and loads;
+    False if one could not start (listed under `skipped`, and the next one runs)."""
+    started_all = True
     for label, flags in args.variants:
         extra = ["--dtype", args.dtype, "--device", args.device, *shlex.split(flags)]
         log_path = server_log_path(args).with_name(f"beamline-{label}.log")
-        with launched_beamline(args.model, log_path, extra, args.launch_timeout) as (url, _):
-            result, _model = asyncio.run(_measure(args, url, workload, label))
-        result.kind = "server-variant"
-        result.info["launch_args"] = extra
-        systems.append(result)
-    return systems
+
+        def on_run(result: SystemResult, extra: list[str] = extra) -> None:
+            result.kind = "server-variant"
+            result.info["launch_args"] = extra
+            progress.add(result)
+
+        try:
+            with launched_beamline(args.model, log_path, extra, args.launch_timeout) as (url, _):
+                asyncio.run(_measure(args, url, workload, label, on_run))
+        except LaunchError as exc:
+            print(f"benchmarks.serve: could not start {label!r}: {exc}", file=sys.stderr)
+            progress.skipped[label] = f"could not start beamline {' '.join(extra)}: {exc}"
+            progress.write()
+            started_all = False
+    return started_all
 
 
 def main(argv: list[str] | None = None) -> int:
     args = resolve_args(argv)
     workload = build_workload(args)
+    if args.structured or args.beam_case:
+        return measure_one_case(args, workload, argv)
+    progress = Progress(args, workload, argv)
+    progress.write()
+
+    def on_ours(result: SystemResult) -> None:
+        progress.ours = result
+        progress.write()
+
+    started_all = True
+    try:
+        measured, progress.server = measure_server(args, workload, on_ours)
+        assert isinstance(measured, SystemResult)
+        progress.ours = measured
+    except LaunchError as exc:
+        print(f"benchmarks.serve: could not start beamline: {exc}", file=sys.stderr)
+        progress.skipped[args.label] = f"could not start beamline: {exc}"
+        started_all = False
+    progress.phases["system_under_test"] = time.time() - progress.started
+    t0 = time.time()
+    started_all &= measure_variants(args, workload, progress)
+    if args.variants:
+        progress.phases["compared_beamlines"] = time.time() - t0
+    run_baselines(args, workload, progress)
+    doc = progress.write(complete=True)
+    if doc["plot"] is not None:
+        plot_results(doc, progress.png_path)
+    print(format_report(doc))
+    print(f"\nwrote {progress.json_path}" + (f"\nwrote {doc['plot']}" if doc["plot"] else ""))
+    if not started_all:
+        return 2
+    servers = ([progress.ours] if progress.ours else []) + [
+        s for s in progress.others if s.kind == "server-variant"
+    ]
+    errors = sum(r.metrics["errors"] for s in servers for r in s.runs)
+    return 1 if errors else 0
+
+
+def measure_one_case(args: argparse.Namespace, workload: Workload, argv: list[str] | None) -> int:
+    """--structured or --beam-case: one server, one JSON at the end."""
     started = time.time()
     machine = machine_info()
     try:
@@ -588,50 +712,11 @@ def main(argv: list[str] | None = None) -> int:
         print(format_structured(measured))
         print(f"\nwrote {json_path}")
         return 0 if not any(sum(r["errors"]) for r in measured["runs"]) else 1
-    if args.beam_case:
-        json_path, _ = result_paths(args, "beam")
-        write_json({"benchmark": "beam-case", **common, "beam_case": measured}, json_path)
-        print(format_beam_case(measured))
-        print(f"\nwrote {json_path}")
-        return 0 if measured["greedy"]["status"] == 200 and measured["beam"]["status"] == 200 else 1
-    ours: SystemResult = measured
-    phases = {"system_under_test": time.time() - started}
-    t0 = time.time()
-    try:
-        variants = measure_variants(args, workload)
-    except LaunchError as exc:
-        print(
-            f"benchmarks.serve: could not start a --compare-beamline server: {exc}", file=sys.stderr
-        )
-        return 2
-    if variants:
-        phases["compared_beamlines"] = time.time() - t0
-    baselines, skipped = run_baselines(args, workload, phases)
-    baselines = variants + baselines
-    doc = {
-        "benchmark": "serve",
-        **common,
-        "mode": args.mode,
-        "short": args.short,
-        "ignore_eos": args.ignore_eos,
-        "workload": workload.describe(),
-        "system_under_test": ours.name,
-        "systems": {s.name: s.to_dict() for s in [ours, *baselines]},
-        "ratios": ratio_rows(ours, baselines),
-        "recorded_peers": peer_rows(ours, args.mode, peers_comparable(args)),
-        "recorded_note": RECORDED_NOTE,
-        "skipped": skipped,
-        "duration_s": time.time() - started,
-        "phase_seconds": phases,
-    }
-    json_path, png_path = result_paths(args, "serve")
-    doc["plot"] = str(png_path)
-    write_json(doc, json_path)
-    plot_results(doc, png_path)
-    print(format_report(doc))
-    print(f"\nwrote {json_path}\nwrote {png_path}")
-    errors = sum(r.metrics["errors"] for s in (ours, *variants) for r in s.runs)
-    return 1 if errors else 0
+    json_path, _ = result_paths(args, "beam")
+    write_json({"benchmark": "beam-case", **common, "beam_case": measured}, json_path)
+    print(format_beam_case(measured))
+    print(f"\nwrote {json_path}")
+    return 0 if measured["greedy"]["status"] == 200 and measured["beam"]["status"] == 200 else 1
 
 
 if __name__ == "__main__":

@@ -601,3 +601,27 @@ def test_launch_stops_waiting_when_the_model_failed_to_load() -> None:
         with pytest.raises(LaunchError, match="model failed to load: no tokenizer decoder"):
             wait_healthy(url, timeout_s=60)
         assert time.monotonic() - start < 10
+
+
+def test_a_compared_beamline_that_cannot_start_is_skipped_and_the_run_goes_on(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """The main server's results are in the JSON before the broken variant is tried; the variant
+    is listed under `skipped` with its reason, the baseline after it still runs, and the run's
+    JSON says it completed (exit code 2: a beamline did not start)."""
+    code = serve.main(
+        ["--launch-beamline", "--model", str(llama_dir), "--dtype", "float32"]
+        + ["--compare-beamline", "broken=--no-such-flag", "--baselines", "hf-static"]
+        + ["--num-requests", "2", "--output-tokens", "2,3", "--concurrency", "2"]
+        + ["--warmup", "0", "--launch-timeout", "120", "--out-dir", str(tmp_path)]
+        + ["--tag", "run"]
+    )
+    assert code == 2
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["complete"] is True
+    assert list(doc["systems"]) == ["beamline", "hf-static"]
+    assert doc["systems"]["beamline"]["runs"][0]["metrics"]["completed"] == 2
+    assert "--no-such-flag" in doc["skipped"]["broken"]
+    assert "beamline-broken.log" in doc["skipped"]["broken"]  # the server's last lines: why
+    assert [r["baseline"] for r in doc["ratios"]] == ["hf-static"]
+    assert not list(tmp_path.glob(".*.tmp"))  # every write replaced the file whole
