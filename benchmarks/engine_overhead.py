@@ -1,18 +1,26 @@
 """Engine time per decode step outside the model forward: the host work a GPU would wait for.
 
-In process, one thread, a random model (`--shape tiny` by default, see random_models.py): R rows
-decode together and each step is timed whole; the model's forward (decoder and LM head) is timed
-inside it, and host time = step time - forward time. Scheduling, input building, sampling,
-commit, detokenization and emission all count as host time. On CUDA the forward timer
-synchronises the device around the forward, so host time is what the device would idle for
-without overlap.
+In process, one thread, one engine built as `beamline serve` builds it (server/loading.py) with
+the device's defaults: on CUDA the paged Triton kernel, CUDA graphs captured by the runner's
+warm-up, overlapped outputs and async scheduling; on the CPU the gather path, neither overlap. The
+model (a random `--shape`, see random_models.py, or `--model`) loads once; then for each (kind,
+rows) pair R rows of requests are submitted and prefilled, their decode steps timed, and the
+requests aborted (every KV block must come back) before the next pair. The JSON is rewritten
+after each pair, so a run cut short keeps what it measured.
 
-With `--overlap-outputs` the engine renders a step's text (detokenization, stop strings,
-emission) after queuing the next step's forward (engine.py); that part is reported apart as
-`render ms`, and `exposed ms` = host time - render time is what a GPU still waits for (on the CPU
-the forward is synchronous, so nothing is actually hidden there).
+Each step is timed whole; the model's forward is timed inside it (the decoder and LM head called
+eagerly, or a CUDA graph's replay: `path` says which the timed steps took, `graph steps` how many
+replayed), and host time = step time - forward time. Scheduling, input building (copying inputs
+into the graphs' buffers included), sampling, commit, detokenization and emission all count as
+host time. On CUDA the forward timer synchronises the device around the forward, so host time is
+what the device would idle for without overlap.
 
-With `--async-scheduling` the engine queues step N+1 before it reads step N's tokens
+With overlapped outputs the engine renders a step's text (detokenization, stop strings, emission)
+after queuing the next step's forward (engine.py); that part is reported apart as `render ms`,
+and `exposed ms` = host time - render time is what a GPU still waits for (on the CPU the forward
+is synchronous, so nothing is actually hidden there).
+
+With async scheduling the engine queues step N+1 before it reads step N's tokens
 (server/engine/in_flight.py). The forward timer synchronises the device, which would undo that, so
 every timed step is followed by one with nothing timed inside: `free step ms` is their median
 step time, and `step/forward` = free step ms / forward ms (the issue's GPU goal: <= 1.2, host time
@@ -21,6 +29,7 @@ hidden). On the CPU a free step costs what a timed one does.
     python -m benchmarks.engine_overhead                      # 16, 64, 256 rows; three row kinds
     python -m benchmarks.engine_overhead --rows 256 --kinds greedy --steps 50
     python -m benchmarks.engine_overhead --rows 256 --kinds sampled --prompt-tokens 1000
+    python -m benchmarks.engine_overhead --device cuda --shape llama-1b --no-cuda-graphs
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ import argparse
 import functools
 import gc
 import json
+import math
+import os
 import statistics
 import tempfile
 import time
@@ -38,12 +49,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from benchmarks.random_models import build_random_model
 from decoding import DecodingParams
+from server.config import ServerConfig
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest
+from server.loading import LoadedEngine, load_engine
 from server.model.runner import ModelRunner
 
 PROMPT_TOKENS = 8
@@ -78,35 +90,60 @@ class Result:
     exposed_ms: float = 0.0  # host_ms - render_ms
     free_step_ms: float = 0.0  # median step time with nothing timed inside (no device syncs)
     step_per_forward: float = 0.0  # free_step_ms / forward_ms
+    path: str = ""  # the timed steps' forward: graphs (every one replayed), paged or gather
+    graph_steps: int = 0  # timed steps that replayed a CUDA graph
+    overlap_outputs: bool = False
+    async_scheduling: bool = False
 
 
 class ForwardTimer:
-    """Accumulates the seconds spent inside the runner's forward calls (decoder, LM head)."""
+    """Accumulates the seconds spent inside the runner's forward calls (decoder, LM head) and the
+    CUDA graphs' replays. Installed after the warm-up: nothing may synchronise inside a capture.
+    A call inside a timed one counts once (the CPU's stand-in graphs run the decoder in
+    `replay`)."""
 
     NAMES = ("_run_decode", "_run_decoder", "_logits")
 
     def __init__(self, runner: ModelRunner) -> None:
         self.seconds = 0.0
+        self.replays = 0  # while enabled
         self.cuda = runner.device.type == "cuda"
         self.enabled = True  # False: calls go straight through, no device synchronisation
+        self._inside = False
         for name in self.NAMES:
             setattr(runner, name, self._timed(getattr(runner, name)))
+        if runner.graphs is not None:  # captured: each graph's replay is timed whole
+            captured = runner.graphs.graphs
+            for rows, (graph, output) in list(captured.items()):
+                captured[rows] = (TimedReplay(self._timed(graph.replay, replay=True)), output)
 
-    def _timed(self, fn: Callable) -> Callable:
+    def _timed(self, fn: Callable, replay: bool = False) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: object, **kwargs: object) -> object:
-            if not self.enabled:
+            if not self.enabled or self._inside:
                 return fn(*args, **kwargs)
+            self.replays += replay
             if self.cuda:
                 torch.cuda.synchronize()
+            self._inside = True
             start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            if self.cuda:
-                torch.cuda.synchronize()
+            try:
+                out = fn(*args, **kwargs)
+                if self.cuda:
+                    torch.cuda.synchronize()
+            finally:
+                self._inside = False
             self.seconds += time.perf_counter() - start
             return out
 
         return wrapper
+
+
+class TimedReplay:
+    """A captured graph whose replay is timed."""
+
+    def __init__(self, replay: Callable[[], None]) -> None:
+        self.replay = replay
 
 
 class RenderTimer:
@@ -127,44 +164,35 @@ class RenderTimer:
             engine._render_outputs = timed  # type: ignore[method-assign]
 
 
+def forward_path(runner: ModelRunner) -> str:
+    """The eager decode path: the paged kernel or gather + SDPA."""
+    return "paged" if runner.attention_backend == "triton" else "gather"
+
+
 def measure(
-    model_dir: Path,
+    loaded: LoadedEngine,
+    timer: ForwardTimer,
+    render: RenderTimer,
     kind: str,
     rows: int,
     steps: int,
-    device: torch.device,
+    *,
+    pair: int = 0,
     warmup: int = 5,
-    overlap_outputs: bool = False,
-    async_scheduling: bool = False,
     prompt_tokens: int = PROMPT_TOKENS,
 ) -> Result:
-    per_request = BEAMS if kind == "beam" else 1
-    max_len = prompt_tokens + warmup + 2 * steps + 8  # timed and free steps
-    block_size = 16
-    runner = ModelRunner(
-        model_dir,
-        device=device,
-        dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
-        block_size=block_size,
-        num_blocks=rows * (-(-max_len // block_size) + 1) + 8,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = Engine(
-        runner,
-        tokenizer,
-        max_num_seqs=rows,
-        max_num_batched_tokens=max(512, min(rows * prompt_tokens, 16384)),
-        max_model_len=max_len + 8,
-        overlap_outputs=overlap_outputs,
-        **({"async_scheduling": True} if async_scheduling else {}),  # older engines lack it
-    )
-    timer = ForwardTimer(runner)
-    render = RenderTimer(engine)
+    """One (kind, rows) pair on the loaded engine: submit, prefill, time, abort; every KV block
+    must be back in the pool afterwards (the next pair starts from an empty engine)."""
+    engine = loaded.engine
+    rows = row_count(kind, rows)
+    requests = rows // (BEAMS if kind == "beam" else 1)
     outputs: deque[object] = deque(maxlen=4096)  # emitted outputs, dropped as a client would
-    vocab = runner.vocab_size
-    for i in range(rows // per_request):
-        prompt = [4 + (i * 7 + j * 13) % (vocab - 4) for j in range(prompt_tokens)]
-        engine.submit(EngineRequest(str(i), prompt, KINDS[kind](i), outputs.append))
+    vocab = loaded.runner.vocab_size
+    ids = [f"{kind}-{rows}-{i}" for i in range(requests)]
+    for i, request_id in enumerate(ids):  # `pair` apart: no prefix-cache hit on an earlier pair
+        prompt = [4 + (pair * 101 + i * 7 + j * 13) % (vocab - 4) for j in range(prompt_tokens)]
+        engine.submit(EngineRequest(request_id, prompt, KINDS[kind](i), outputs.append))
+    timer.enabled = False
     while engine.num_waiting or engine.scheduler.num_running_rows < rows:
         engine.step()
     for _ in range(warmup):
@@ -172,18 +200,31 @@ def measure(
     gc.collect()
     gc.freeze()  # as the server does after start-up (bootstrap.py)
     step_ms, forward_ms, render_ms, free_ms = [], [], [], []
+    graph_steps = 0
     for _ in range(steps):
         timer.seconds = render.seconds = 0.0
+        replays = timer.replays
         timer.enabled = True
         start = time.perf_counter()
         engine.step()
         step_ms.append((time.perf_counter() - start) * 1e3)
         forward_ms.append(timer.seconds * 1e3)
         render_ms.append(render.seconds * 1e3)
+        graph_steps += timer.replays > replays
         timer.enabled = False  # then one step with nothing synchronising the device inside
         start = time.perf_counter()
         engine.step()
         free_ms.append((time.perf_counter() - start) * 1e3)
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.step():
+        pass
+    if engine.num_running or engine.num_waiting or engine.pool.num_free != engine.pool.num_blocks:
+        raise RuntimeError(
+            f"{kind} x {rows}: after the aborts {engine.num_running} running, "
+            f"{engine.num_waiting} waiting, {engine.pool.num_free} of "
+            f"{engine.pool.num_blocks} KV blocks free"
+        )
     host = [s - f for s, f in zip(step_ms, forward_ms)]
     free, forward = statistics.median(free_ms), statistics.median(forward_ms)
     return Result(
@@ -198,7 +239,73 @@ def measure(
         statistics.median(h - r for h, r in zip(host, render_ms)),
         free,
         free / forward if forward else 0.0,
+        "graphs" if graph_steps == steps else forward_path(loaded.runner),
+        graph_steps,
+        engine.overlap_outputs,
+        engine.async_scheduling,
     )
+
+
+def row_count(kind: str, rows: int) -> int:
+    """The rows of a pair: whole requests (a beam request has BEAMS rows), at least one."""
+    per_request = BEAMS if kind == "beam" else 1
+    return max(1, rows // per_request) * per_request
+
+
+def engine_config(
+    args: argparse.Namespace, model_dir: Path, pairs: list[tuple[str, int]]
+) -> ServerConfig:
+    """What `beamline serve` would be started with: the device's defaults unless a flag says
+    otherwise, every row of the largest pair in one step, a KV pool that holds them."""
+    max_rows = max(row_count(kind, rows) for kind, rows in pairs)
+    budget = max(512, min(max_rows * args.prompt_tokens, 16384))
+    prefill_steps = -(-max_rows * args.prompt_tokens // budget)  # early rows decode meanwhile
+    max_len = args.prompt_tokens + 5 + 2 * args.steps + prefill_steps + 16
+    block_size = 16
+    return ServerConfig(
+        model=str(model_dir),
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        cuda_graphs=args.cuda_graphs,
+        overlap_outputs=args.overlap_outputs,
+        async_scheduling=args.async_scheduling,
+        num_speculative_tokens=args.speculative_tokens,
+        num_threads=args.threads or None,
+        block_size=block_size,
+        num_kv_blocks=max_rows * (math.ceil(max_len / block_size) + 1) + 8,
+        max_num_seqs=max_rows,
+        max_num_batched_tokens=budget,
+        max_model_len=max_len,
+    )
+
+
+def write_results(results: list[Result], path: Path) -> None:
+    """Atomically: a run killed while writing leaves the previous pairs' file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    os.replace(tmp, path)
+
+
+HEADER = (
+    f"{'kind':>8} {'rows':>5} {'path':>6} {'step ms':>8} {'forward ms':>10} {'host ms':>8} "
+    f"{'render ms':>9} {'exposed ms':>10} {'free step ms':>12} {'step/forward':>12}"
+)
+
+
+def row_line(r: Result) -> str:
+    return (
+        f"{r.kind:>8} {r.rows:>5} {r.path:>6} {r.step_ms:>8.2f} {r.forward_ms:>10.2f} "
+        f"{r.host_ms:>8.2f} {r.render_ms:>9.2f} {r.exposed_ms:>10.2f} {r.free_step_ms:>12.2f} "
+        f"{r.step_per_forward:>12.2f}"
+    )
+
+
+def setting(text: str) -> str:
+    if text not in ("auto", "on", "off"):
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
+    return text
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
@@ -208,51 +315,56 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--shape", default="tiny")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--model", type=Path, help="a model directory (default: a random --shape)")
-    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here (after each pair)")
+    for name, what in (
+        ("--overlap-outputs", "render text during the next forward"),
+        ("--async-scheduling", "read a step's tokens during the next"),
+    ):
+        ap.add_argument(
+            name, nargs="?", const="on", default="auto", type=setting,
+            help=f"{what}: auto (the device's default: on CUDA), on (the bare flag) or off",
+        )  # fmt: skip
     ap.add_argument(
-        "--overlap-outputs", action="store_true", help="render text during the next forward"
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="decode steps run eagerly on CUDA (default: replay the graphs captured at warm-up)",
     )
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "gather", "triton"])
     ap.add_argument(
-        "--async-scheduling", action="store_true", help="read a step's tokens during the next"
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="n-gram drafts per row (default 0: every step adds one token to every row)",
     )
     ap.add_argument(
         "--prompt-tokens", type=int, default=PROMPT_TOKENS, help="prompt length of every row"
     )
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    pairs = [(kind, int(rows)) for kind in args.kinds.split(",") for rows in args.rows.split(",")]
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or build_random_model(Path(tmp) / args.shape, args.shape)
-        results = [
-            measure(
-                model_dir,
-                kind,
-                int(rows),
-                args.steps,
-                device,
-                overlap_outputs=args.overlap_outputs,
-                async_scheduling=args.async_scheduling,
-                prompt_tokens=args.prompt_tokens,
-            )
-            for kind in args.kinds.split(",")
-            for rows in args.rows.split(",")
-        ]
-    print(
-        f"{'kind':>8} {'rows':>5} {'step ms':>8} {'forward ms':>10} {'host ms':>8} "
-        f"{'render ms':>9} {'exposed ms':>10} {'free step ms':>12} {'step/forward':>12}"
-    )
-    for r in results:
-        print(
-            f"{r.kind:>8} {r.rows:>5} {r.step_ms:>8.2f} {r.forward_ms:>10.2f} {r.host_ms:>8.2f} "
-            f"{r.render_ms:>9.2f} {r.exposed_ms:>10.2f} {r.free_step_ms:>12.2f} "
-            f"{r.step_per_forward:>12.2f}"
+        model_dir = args.model or build_random_model(
+            Path(tmp) / args.shape, args.shape, dtype=dtype, device=args.device
         )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+        loaded = load_engine(engine_config(args, model_dir, pairs))
+        loaded.runner.warm_up()  # as the engine thread does before serving: captures the graphs
+        timer = ForwardTimer(loaded.runner)  # only now: nothing synchronises inside a capture
+        render = RenderTimer(loaded.engine)
+        print(HEADER, flush=True)
+        for pair, (kind, rows) in enumerate(pairs):
+            result = measure(
+                loaded, timer, render, kind, rows, args.steps, pair=pair,
+                prompt_tokens=args.prompt_tokens,
+            )  # fmt: skip
+            results.append(result)
+            print(row_line(result), flush=True)
+            if args.out:
+                write_results(results, args.out)
     return results
 
 
