@@ -72,3 +72,4 @@ class StepOutput:
 
     logits: torch.Tensor
     scores: dict[int, TokenLogprobs] = field(default_factory=dict)
+    reused: bool = False  # the logits live in a buffer the next step overwrites (a CUDA graph's)

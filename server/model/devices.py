@@ -6,6 +6,9 @@ choices (dtypes here, quantizations here too; quantization.py has their kernels)
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
@@ -56,3 +59,33 @@ def dtype_warning(model_type: str, dtype: torch.dtype) -> str | None:
             "garbled text); use bfloat16 (the CUDA default) or float32"
         )
     return None
+
+
+def compiler_available(device: torch.device) -> bool:
+    """Inductor compiles its CPU kernels with a C++ compiler; Triton (CUDA) builds its launchers
+    with a C one."""
+    names = ("g++", "c++", "clang++") if device.type == "cpu" else ("gcc", "cc", "clang")
+    chosen = os.environ.get("CXX" if device.type == "cpu" else "CC")
+    return any(shutil.which(name) for name in ((chosen,) if chosen else ()) + names)
+
+
+def pick_attention_backend(name: str, device: torch.device, compile_decode: bool) -> str:
+    """auto: the paged-attention kernel on CUDA (gather with torch_compile, which inductor
+    traces), the gather path on the CPU (faster there: see README)."""
+    available = importlib.util.find_spec("triton") is not None
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if name == "auto":
+        return "triton" if device.type == "cuda" and available and not compile_decode else "gather"
+    if name == "triton":
+        if not available:
+            raise ValueError("attention_backend triton needs the triton package")
+        if device.type != "cuda" and not interpret:
+            raise ValueError(
+                "attention_backend triton runs on CUDA (on the CPU only under TRITON_INTERPRET=1, "
+                "for tests); use gather"
+            )
+        if compile_decode:
+            raise ValueError("torch_compile runs the gather path: use attention_backend gather")
+    elif name != "gather":
+        raise ValueError(f"attention_backend must be auto, gather or triton; got {name!r}")
+    return name

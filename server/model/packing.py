@@ -56,6 +56,33 @@ def verify_inputs(
     return tables, tokens, positions
 
 
+@dataclass
+class ScratchRow:
+    """A row that only runs before serving (warm-up): its tokens sit on the pool's first blocks,
+    which no sequence owns yet."""
+
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+
+
+def scratch_item(num_new: int, block_size: int) -> WorkItem[ScratchRow]:
+    """A prompt chunk of `num_new` tokens (one: a decode row) on a `ScratchRow`."""
+    blocks = list(range(-(-num_new // block_size)))
+    return WorkItem(ScratchRow([0] * num_new, 0, blocks), num_new)
+
+
+def scratch_decode(
+    rows: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
+    """Inputs of a decode step of `rows` rows on the slots of block 0 (before serving: no
+    sequence owns it yet)."""
+    positions = list(range(1, rows + 1))
+    ctx = DecodeStep.build([[0]] * rows, [p + 1 for p in positions], block_size, device)
+    input_ids = torch.zeros((1, rows), dtype=torch.long, device=device)
+    return input_ids, to_device(positions, device, torch.long).unsqueeze(0), ctx
+
+
 def put_deferred(
     input_ids: torch.Tensor, items: Sequence[WorkItem[Row]], deferred: DeferredTokens | None
 ) -> None:

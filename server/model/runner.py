@@ -10,11 +10,8 @@ and int8 quantizations (cpu_linear.py, quantization.py), and CUDA graphs of deco
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from decoding.transfer import to_device
 from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
 from server.model.compiled_decode import (
     CompiledDecode,
@@ -31,7 +29,12 @@ from server.model.compiled_decode import (
 )
 from server.model.cpu_linear import apply_linear_layout
 from server.model.cuda_graphs import DecodeGraphs
-from server.model.devices import dtype_warning, quantization_problem
+from server.model.devices import (  # noqa: F401  (the backend choice is imported from here too)
+    compiler_available,
+    dtype_warning,
+    pick_attention_backend,
+    quantization_problem,
+)
 from server.model.kv_budget import (
     KVBudget,
     decode_items,
@@ -45,6 +48,8 @@ from server.model.packing import (
     pack_step,
     put_deferred,
     score_positions,
+    scratch_decode,
+    scratch_item,
     verify_inputs,
 )
 from server.model.quantization import (
@@ -59,36 +64,6 @@ _runner_ids = itertools.count()
 # Prompt positions per LM-head call when scoring a prompt: the logits of a whole 512-token chunk
 # over a 262k vocabulary would be half a gigabyte; 64 positions are 64 MiB (fp32), reduced to the
 # requested top-k before the next 64.
-
-
-def compiler_available(device: torch.device) -> bool:
-    """Inductor compiles its CPU kernels with a C++ compiler; Triton (CUDA) builds its launchers
-    with a C one."""
-    names = ("g++", "c++", "clang++") if device.type == "cpu" else ("gcc", "cc", "clang")
-    chosen = os.environ.get("CXX" if device.type == "cpu" else "CC")
-    return any(shutil.which(name) for name in ((chosen,) if chosen else ()) + names)
-
-
-def pick_attention_backend(name: str, device: torch.device, compile_decode: bool) -> str:
-    """auto: the paged-attention kernel on CUDA (gather with torch_compile, which inductor
-    traces), the gather path on the CPU (faster there: see README)."""
-    available = importlib.util.find_spec("triton") is not None
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if name == "auto":
-        return "triton" if device.type == "cuda" and available and not compile_decode else "gather"
-    if name == "triton":
-        if not available:
-            raise ValueError("attention_backend triton needs the triton package")
-        if device.type != "cuda" and not interpret:
-            raise ValueError(
-                "attention_backend triton runs on CUDA (on the CPU only under TRITON_INTERPRET=1, "
-                "for tests); use gather"
-            )
-        if compile_decode:
-            raise ValueError("torch_compile runs the gather path: use attention_backend gather")
-    elif name != "gather":
-        raise ValueError(f"attention_backend must be auto, gather or triton; got {name!r}")
-    return name
 
 
 class ModelRunner:
@@ -256,8 +231,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Before serving, in the thread that will step: capture the decode graphs, or load or
-        compile the decode step and run it once with one row and with two."""
+        """Before serving, in the thread that will step: compile the attention kernel's variants,
+        capture the decode graphs, or load or compile the decode step and run it once with one
+        row and with two."""
+        if self.attention_backend == "triton":
+            for num_new in (1, 2):  # decode tiles, then chunk tiles (every layer kind runs)
+                self._execute_packed([scratch_item(num_new, self.block_size)])
         if self.graphs is not None:
             self.graphs.capture()
         if self.compiled_decode is not None:
@@ -269,14 +248,9 @@ class ModelRunner:
                 self._run_decode(*self._example_decode(rows))
 
     def _example_decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
-        """Inputs of a decode step of `rows` rows on the slots of block 0 (before serving: no
-        sequence owns it yet)."""
-        positions = list(range(1, rows + 1))
-        lengths = [p + 1 for p in positions]
-        ctx = DecodeStep.build([[0]] * rows, lengths, self.block_size, self.device)
+        input_ids, position_ids, ctx = scratch_decode(rows, self.block_size, self.device)
         ctx.kv = self.kv_cache
-        input_ids = torch.zeros((1, rows), dtype=torch.long, device=self.device)
-        return input_ids, torch.tensor([positions], device=self.device), ctx
+        return input_ids, position_ids, ctx
 
     def _decode_step(
         self,
@@ -289,9 +263,9 @@ class ModelRunner:
         `edit_tokens` may change the tokens on the device first."""
         lengths = [p + 1 for p in positions]
         ctx = DecodeStep.build(tables, lengths, self.block_size, self.device)
-        input_ids = torch.tensor([tokens], device=self.device)
+        input_ids = to_device(tokens, self.device, torch.long).unsqueeze(0)
         edit_tokens(input_ids[0])
-        position_ids = torch.tensor([positions], device=self.device)
+        position_ids = to_device(positions, self.device, torch.long).unsqueeze(0)
         return self._logits(self._decode(input_ids, position_ids, ctx))
 
     def _decode(
@@ -316,7 +290,8 @@ class ModelRunner:
             drafts = any(item.draft for item in items)
             edit = functools.partial(put_deferred, items=items, deferred=deferred)
             if not drafts and self.graphs is not None and self.graphs.fits(seqs):
-                return StepOutput(self.graphs.run(*decode_inputs(seqs), edit))
+                logits = self.graphs.run(*decode_inputs(seqs), edit)
+                return StepOutput(logits, reused=True)  # the next replay overwrites them
             if self.attention_backend != "triton":  # drafts: one decode query row each
                 inputs = verify_inputs(items) if drafts else decode_inputs(seqs)
                 return StepOutput(self._decode_step(*inputs, edit))
