@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from decoding.params import EarlyStopping
+from decoding.transfer import to_device
 
 FinishReason = Literal["stop", "length", "no_legal_token"]
 
@@ -140,7 +141,8 @@ class BeamGroup:
 
     def accumulate(self, scores: torch.Tensor) -> torch.Tensor:
         """[rows * V] candidate scores: each row's processed log-probs + its running score."""
-        return (scores.float() + self.beam_scores.to(scores.device).unsqueeze(1)).reshape(-1)
+        running = to_device(self.beam_scores, scores.device)  # pinned: no sync on CUDA
+        return (scores.float() + running.unsqueeze(1)).reshape(-1)
 
     def top_candidates(self, flat: torch.Tensor, vocab_size: int) -> Candidates:
         values, index = flat.topk(min(self.num_candidates, flat.numel()))

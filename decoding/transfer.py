@@ -24,5 +24,5 @@ def to_device(
         tensor = tensor.to(dtype)
     target = torch.device(device)
     if target.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(target, non_blocking=True)
-    return tensor.to(target)
+        tensor = tensor.pin_memory()
+    return tensor.to(target, non_blocking=True)  # a no-op on the tensor's own device

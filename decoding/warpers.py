@@ -22,6 +22,11 @@ from decoding.params import DecodingParams
 from decoding.transfer import to_device
 
 NEG_INF = float("-inf")
+# Entries past the k-th that the one-read top-k keeps for ties with it: bfloat16 logits (8 bits of
+# mantissa) tie at the k-th value in most rows (up to ~14 extra entries at k = 64 over a 262k
+# vocabulary, bf16-rounded Gaussian logits), and a row with more ties than this room costs an
+# exact redo after a read (`WarperTensors.unsure`).
+TIE_ROOM = 32
 
 
 @dataclass
@@ -58,8 +63,8 @@ class WarperTensors:
     top_p: RowParams | None = None
     min_p: RowParams | None = None
     typical_p: RowParams | None = None
-    # Set by a non-exact `apply_warpers_`: True (on the device) when some row kept more than k
-    # entries after top-k (ties at the k-th value) and the sorting warpers saw only k of them.
+    # Set by a non-exact `apply_warpers_`: True (on the device) when some row kept more than
+    # k + TIE_ROOM entries after top-k (ties at the k-th value) and the sorting warpers saw fewer.
     unsure: torch.Tensor | None = None
 
 
@@ -117,8 +122,9 @@ def apply_warpers_(
     """Warp the listed rows of `scores` in place (the caller owns it); others stay bit-identical.
 
     `exact` False never reads a value back from the device: the sorting warpers after top-k run on
-    the k largest entries of each row (k known on the host), and `t.unsure` says on the device
-    whether ties at the k-th value made a row's support larger (then warp again, exactly)."""
+    the k + TIE_ROOM largest entries of each row (k known on the host), and `t.unsure` says on
+    the device whether ties at the k-th value made a row's support larger still (then warp again,
+    exactly)."""
     if t is None:
         return scores
     if (temp := t.temperature) is not None:
@@ -127,14 +133,15 @@ def apply_warpers_(
         else:
             scores[temp.rows] = scores[temp.rows] / temp.values
     bound = None  # entries a row can keep, known on the host (None: unknown)
-    top = None  # top-k's rows, their kmax largest entries once warped, and where those are
+    top = None  # top-k's rows, their `bound` largest entries once warped, and where those are
     if (rp := t.top_k) is not None:
-        kmax = bound = int(rp.largest)
+        kmax = int(rp.largest)
+        bound = min(kmax + TIE_ROOM, scores.shape[-1])
         if exact:
             rp.apply(scores, lambda s: top_k_warp(s, rp.values, rp.min_keep, kmax))
         else:  # one topk serves top-k and the first sorting warper after it (on_support)
             rows = rp.rows_of(scores)
-            largest, where = rows.topk(kmax, dim=-1)
+            largest, where = rows.topk(bound, dim=-1)
             kth = largest.gather(1, (rp.values - 1).unsqueeze(1))
             rp.put(scores, rows.masked_fill(rows < kth, NEG_INF))
             top = (rp, largest.masked_fill(largest < kth, NEG_INF), where)

@@ -6,13 +6,17 @@ under Triton's interpreter."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from decoding import DecodingParams
+from server.engine import sampling_step
 from server.engine.engine import Engine
 from server.engine.request import Sequence
 from server.model.cuda_graphs import row_buckets
@@ -22,7 +26,7 @@ from server.work import WorkItem
 from tests.conftest import TEST_DEVICE
 from tests.engine_driver import generate, stub_rows
 from tests.test_engine_correctness import PROMPTS, hf_greedy
-from tests.test_host_syncs import ReadCounter
+from tests.test_host_syncs import CopyCounter, ReadCounter
 from tests.test_torch_compile import served_config
 
 MAX_ROWS = 8
@@ -180,3 +184,122 @@ def test_graphs_with_overlapped_outputs_give_the_same_streams(
         assert engine.pool.num_free == engine.pool.num_blocks
     assert runs[0] == runs[1]
     assert sum(choice[2] == "stop" for run in runs[1] for choice in run.values()) >= 2
+
+
+def tied_head_model(source: Path, target: Path, group: int = 40) -> Path:
+    """`source` with its LM head (tied to the embeddings) made of groups of `group` identical
+    rows: every logit ties with `group - 1` others, as bf16 logits tie, only wider."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head.copy_(head[torch.arange(head.shape[0]) // group * group].clone())
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)
+    return target
+
+
+def test_a_late_read_processes_its_own_logits_not_a_later_replays(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async scheduling a step's tokens are read after the next step's graph replayed, and
+    a replay writes its logits into the same buffer (`EagerGraph` reuses it as a CUDA graph
+    does). A top-k tie wider than the room kept for ties sends that read back to the logits
+    (an exact redo): it must process its own step's. Seeded top-k + top-p streams with and
+    without async scheduling are the same."""
+    model_dir = tied_head_model(tiny_model_dirs["llama"], tmp_path / "tied")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer(p).input_ids for p in PROMPTS[:4]]
+    params = DecodingParams(max_tokens=12, temperature=0.9, top_k=3, top_p=0.9, seed=7)
+    redone = []
+    settle = sampling_step.settle
+
+    def spying(d, values, *args):  # type: ignore[no-untyped-def]
+        redone.append(d.unsure is not None and bool(values[-1]))
+        return settle(d, values, *args)
+
+    monkeypatch.setattr(sampling_step, "settle", spying)
+    runs = []
+    for late in (False, True):
+        engine = Engine(
+            graph_runner(model_dir), tokenizer, async_scheduling=late, overlap_outputs=late
+        )
+        runs.append([r.choices() for r in generate(engine, prompts, params)])
+        assert engine.pool.num_free == engine.pool.num_blocks
+    assert redone and all(redone)  # every step had a tie past the room: every read redid it
+    assert runs[0] == runs[1]
+
+
+def test_a_graph_step_copies_only_the_block_table_columns_it_uses(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    """The graphs' table has max_model_len / block_size columns (8,192 for a 131k-context
+    Llama); a step copies the columns its rows use, not the whole width."""
+    runner = graph_runner(tiny_model_dirs["llama"])
+    graphs = runner.graphs
+    assert graphs is not None and graphs.max_blocks == 24
+    graphs.tables.fill_(-1)  # stale entries past the used columns are never read
+    copied = CopyCounter()
+    with copied, torch.inference_mode():
+        logits = graphs.run([[3, 4], [7], [9]], [11, 12, 13], [5, 2, 0]).clone()
+    assert copied.elements <= 3 * 2 + 4 * 3, (
+        copied.calls
+    )  # table [3, 2]; tokens, positions, slots, tile_pos
+    assert not copied.blocking, copied.blocking
+    assert graphs.tables[:3, :2].tolist() == [[3, 4], [7, 0], [9, 0]]
+    fresh = graph_runner(tiny_model_dirs["llama"])
+    assert fresh.graphs is not None
+    with torch.inference_mode():
+        want = fresh.graphs.run([[3, 4], [7], [9]], [11, 12, 13], [5, 2, 0])
+    torch.testing.assert_close(logits, want)
+
+
+def test_capture_uses_one_side_stream_and_one_memory_pool(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA's capture with torch.cuda stood in for: every bucket is warmed and recorded on one
+    side stream (not one per bucket), largest first, into one shared memory pool."""
+    runner = graph_runner(tiny_model_dirs["llama"], capture=False)
+    graphs = runner.graphs
+    assert graphs is not None
+    fake = FakeCuda()
+    for name in ("Stream", "current_stream", "stream", "CUDAGraph", "graph", "graph_pool_handle"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    graphs.device = torch.device("cuda")  # its buffers stay on the CPU: the functions run here
+    with torch.inference_mode():
+        graphs.capture()
+    assert list(graphs.graphs) == [8, 4, 2, 1]
+    (side,) = fake.streams
+    assert fake.warm_ups == [side] * 4
+    assert fake.captures == [(side, "pool")] * 4
+
+
+class FakeCuda:
+    """What `DecodeGraphs.capture` asks of torch.cuda, recorded; the functions run on the CPU."""
+
+    def __init__(self) -> None:
+        self.streams: list[SimpleNamespace] = []
+        self.warm_ups: list[object] = []  # the stream each warm-up ran on
+        self.captures: list[tuple[object, object]] = []  # (stream, pool) of each capture
+
+    def Stream(self) -> SimpleNamespace:  # noqa: N802  (torch.cuda's name)
+        self.streams.append(SimpleNamespace(wait_stream=lambda other: None))
+        return self.streams[-1]
+
+    def current_stream(self) -> SimpleNamespace:
+        return SimpleNamespace(wait_stream=lambda other: None)
+
+    @contextlib.contextmanager
+    def stream(self, stream: object) -> Iterator[None]:
+        self.warm_ups.append(stream)
+        yield
+
+    def CUDAGraph(self) -> SimpleNamespace:  # noqa: N802
+        return SimpleNamespace(replay=lambda: None)
+
+    def graph_pool_handle(self) -> str:
+        return "pool"
+
+    @contextlib.contextmanager
+    def graph(self, graph: object, pool: object = None, stream: object = None) -> Iterator[None]:
+        self.captures.append((stream, pool))
+        yield

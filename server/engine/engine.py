@@ -166,7 +166,7 @@ class Engine:
             self.prompt_scoring.record(plan.items, output.scores)
             sampling = self.scheduler.update_from_output(plan)
             if sampling:
-                self._decode(sampling, output.logits)
+                self._decode(sampling, output.logits, output.reused)
             if not self.overlap_outputs:
                 self._render_outputs()
         except Exception as exc:  # a failing step fails its own requests, never the loop
@@ -193,9 +193,12 @@ class Engine:
         return True
 
     # ---- choosing tokens ------------------------------------------------------------------------
-    def _decode(self, sampling: list[WorkItem[Sequence]], logits: torch.Tensor) -> None:
+    def _decode(
+        self, sampling: list[WorkItem[Sequence]], logits: torch.Tensor, reused: bool = False
+    ) -> None:
         """Choose next tokens for every sampled row, then apply them request by request (a
-        request's rows are adjacent: the scheduler plans by request)."""
+        request's rows are adjacent: the scheduler plans by request). `reused`: the next step
+        overwrites `logits` (a CUDA graph's output)."""
         if self.prompt_scoring.prompt_only:  # max_tokens 0: the prompt is computed, that was all
             sampling, logits, done = self.prompt_scoring.split_prompt_only(sampling, logits)
             for seq in done:
@@ -211,6 +214,8 @@ class Engine:
         batch = VerifyBatch(sampling, rows, index)  # one position per logits row (speculation)
         pending, logits = batch.choose(logits, self.eos_token_ids)
         if self.async_scheduling and InFlight.can_overlap(batch):  # read once the next is queued
+            if reused:
+                pending.keep_logits()
             self._in_flight = InFlight.start(batch, pending, self.max_model_len)
             return
         self.applier.apply(batch, pending.read(), logits)

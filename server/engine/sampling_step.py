@@ -92,6 +92,13 @@ class PendingChoices:
     logprob_rows: list[int]
     logprobs: HostRead | None
 
+    def keep_logits(self) -> None:
+        """Copy the logits when the read may process them again (`settle` after a top-k tie
+        past the room kept for ties): read late, they may have been overwritten by then (a CUDA
+        graph's output buffer, replayed by the next step)."""
+        if self.drawn.unsure is not None:
+            self.logits = self.logits.clone()
+
     def start_reads(self) -> None:
         for read in (self.values, self.logprobs):
             if read is not None:

@@ -25,7 +25,7 @@ import torch
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-from server.model.attention import PagedStep
+from server.model.attention import PagedStep, padded_tables
 from server.work import Row
 
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, PagedStep], torch.Tensor]
@@ -124,17 +124,20 @@ class DecodeGraphs:
         )
 
     def capture(self) -> None:
-        """Record every bucket, largest first (later ones reuse the first one's memory)."""
+        """Record every bucket, largest first (later ones reuse the first one's memory), on one
+        side stream."""
+        stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         for rows in reversed(self.sizes):
             fn = self._bound(rows)
-            if self.device.type == "cuda":
-                self.graphs[rows] = self._capture_cuda(fn)
+            if stream is not None:
+                self.graphs[rows] = self._capture_cuda(fn, stream)
             else:
                 graph = EagerGraph(fn)
                 self.graphs[rows] = (graph, graph.output)
 
-    def _capture_cuda(self, fn: Callable[[], torch.Tensor]) -> tuple[Replayable, torch.Tensor]:
-        stream = torch.cuda.Stream()
+    def _capture_cuda(
+        self, fn: Callable[[], torch.Tensor], stream: torch.cuda.Stream
+    ) -> tuple[Replayable, torch.Tensor]:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture: Triton compiles, caches fill
             fn()
@@ -142,7 +145,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self.memory_pool is None:
             self.memory_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
+        with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
             output = fn()
         return graph, output
 
@@ -159,8 +162,9 @@ class DecodeGraphs:
         n = len(tokens)
         rows = next(size for size in self.sizes if size >= n)
         bs = self.block_size
-        width = self.max_blocks
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        # only the columns the rows use: the kernel reads no block past a row's last position,
+        # and a full-width table (max_model_len / block_size columns) cost ms of host time
+        table = padded_tables(tables, max(len(t) for t in tables))
         pos = torch.tensor(positions, dtype=torch.long)
         slots = table[torch.arange(n), pos // bs].long() * bs + pos % bs
         host = torch.stack([torch.tensor(tokens, dtype=torch.long), pos, slots])
@@ -171,7 +175,7 @@ class DecodeGraphs:
         self.positions[:n].copy_(host[1], non_blocking=True)
         self.slots[:n].copy_(host[2], non_blocking=True)
         self.tile_pos[:n].copy_(host[1], non_blocking=True)
-        self.tables[:n].copy_(table, non_blocking=True)
+        self.tables[:n, : table.shape[1]].copy_(table, non_blocking=True)
         if rows > n:  # the padding rows write into the scratch block and attend to it alone
             self.slots[n:rows].fill_(self.scratch_slot)
             self.tile_pos[n:rows].zero_()
