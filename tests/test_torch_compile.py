@@ -16,7 +16,7 @@ from server.config import ServerConfig, load_config
 from server.engine.engine import Engine
 from server.loading import load_engine
 from server.model.attention import DecodeStep
-from server.model.compiled_decode import cache_key, model_identity
+from server.model.compiled_decode import CompiledDecode, cache_key, model_identity
 from server.model.runner import ModelRunner
 from tests.conftest import make_engine
 from tests.engine_driver import generate
@@ -211,6 +211,28 @@ def test_an_unreadable_cache_entry_is_compiled_again_and_replaced(
     assert again.runner.compiled_decode.source == "compiled"
     assert (first.directory / "decode-2.bin").stat().st_size > 1000
     assert later_start_tokens(again) == [hf_greedy(model_dir, p, 20) for p in PROMPTS]
+
+
+def test_a_step_that_cannot_be_saved_serves_anyway_and_leaves_no_partial_entry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saving fails with errors of torch's own (not OSErrors) on some releases: start-up goes
+    on with the graphs in memory, warns, and leaves no half-written entry behind."""
+
+    class Unsaveable:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def save_compiled_function(self, path: str) -> None:
+            if self.fails:
+                raise RuntimeError("cannot serialise this graph")
+            Path(path).write_bytes(b"a graph")
+
+    step = CompiledDecode(torch.nn.Identity(), tmp_path / "entry")
+    step.graphs = [Unsaveable(False), Unsaveable(True)]
+    step._save()
+    assert "not saved" in caplog.text and "cannot serialise" in caplog.text
+    assert not list((tmp_path / "entry").iterdir())
 
 
 def test_the_cache_key_changes_with_model_flags_and_software(

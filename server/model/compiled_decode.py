@@ -15,6 +15,7 @@ the plain way (nothing cached).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import inspect
@@ -223,5 +224,9 @@ class CompiledDecode:
             self.directory.mkdir(parents=True, exist_ok=True)
             for graph, path in zip(self.graphs, self._paths(), strict=True):
                 graph.save_compiled_function(str(path))
-        except OSError as error:  # a read-only cache: serve anyway, compile again next time
+        except Exception as error:  # a read-only cache, a graph this torch cannot serialise
+            # (torch 2.11's own errors are not OSErrors): serve anyway, compile again next time
             log.warning("compiled decode step not saved to %s: %s", self.directory, error)
+            for path in self._paths():  # no half-written entry for the next start to trip on
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
