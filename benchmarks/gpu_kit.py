@@ -233,7 +233,7 @@ def run_step(
 
 
 # ---- headline figures ----------------------------------------------------------------------------
-def test_figures(xml: Path, log: Path) -> dict:
+def summarize_tests(xml: Path, log: Path) -> dict:
     """Counts and failures from the JUnit report, or from pytest's -v lines if it has none."""
     failed: list[str] = []
     if xml.exists():
@@ -262,16 +262,18 @@ def test_figures(xml: Path, log: Path) -> dict:
 PYTEST_OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 
 
-def overhead_figures(path: Path) -> list[dict]:
-    keys = {"kind", "rows", "path", "host_ms", "forward_ms", "step_ms", "free_step_ms"}
-    keys.add("step_per_forward")
+# engine_overhead's headline: host ms per step, and what a step costs against its forward
+OVERHEAD_KEYS = "kind rows path host_ms forward_ms step_ms free_step_ms step_per_forward".split()
+
+
+def summarize_overhead(path: Path) -> list[dict]:
     return [
-        {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k in keys}
+        {k: round(row[k], 3) if isinstance(row[k], float) else row[k] for k in OVERHEAD_KEYS}
         for row in json.loads(path.read_text())
     ]
 
 
-def serve_figures(path: Path) -> dict:
+def summarize_serve(path: Path) -> dict:
     doc = json.loads(path.read_text())
     per_system: dict[str, dict] = {}
     for name, system in doc["systems"].items():
@@ -296,12 +298,12 @@ def _round(v: float | None) -> float | None:
 def figures(step: Step) -> object:
     try:
         if step.name == "tests":
-            return test_figures(step.log.with_name("tests.xml"), step.log)
+            return summarize_tests(step.log.with_name("tests.xml"), step.log)
         if step.result is None or not step.result.exists():
             return None
         if step.name.endswith("engine overhead"):
-            return overhead_figures(step.result)
-        return serve_figures(step.result)
+            return summarize_overhead(step.result)
+        return summarize_serve(step.result)
     except (OSError, ValueError, KeyError, TypeError, ET.ParseError) as exc:
         return {"unreadable": f"{type(exc).__name__}: {exc}"}
 
