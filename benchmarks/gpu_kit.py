@@ -412,7 +412,7 @@ class Kit:
             "logs.tar.gz": write_archive(self.out / "logs.tar.gz", logs),
         }
         report = self.work / "tests" / "tests.xml"
-        if report.exists():
+        if self.args.tests and report.exists():
             shutil.copyfile(report, _atomic(self.out / "tests.xml"))
             os.replace(_atomic(self.out / "tests.xml"), self.out / "tests.xml")
         _atomic(self.out / "kit.json").write_text(json.dumps(self.doc, indent=2) + "\n")
@@ -512,6 +512,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     models = work / "models"
     kit = Kit(args, work, models)
     steps = build_steps(args, work, models)
+    (work / "tests" / "tests.xml").unlink(missing_ok=True)  # an earlier call's, same --work
     kit.doc["steps"] = [s.record for s in steps]
     for s in steps:
         s.record.update(step=s.name, status="pending")
