@@ -55,6 +55,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Tests that run models or kernels (each through tests/conftest.py's device switch).
 KIT_TESTS = (
     "tests/test_triton_attention.py",
+    "tests/test_triton_compile.py",
     "tests/test_cuda_graphs.py",
     "tests/test_overlap_outputs.py",
     "tests/test_async_scheduling.py",
@@ -77,6 +78,8 @@ KIT_TESTS = (
 # CUDA's defaults, then token parity with HF generate() (greedy; beams).
 FIRST_CONTACT_TESTS = (
     "tests/test_triton_attention.py",
+    "tests/test_triton_compile.py::test_serving_after_warm_up_compiles_no_new_kernel_variant",
+    "tests/test_triton_compile.py::test_queries_split_across_programs_match_the_reference",
     "tests/test_cuda_graphs.py",
     "tests/test_async_scheduling.py",
     "tests/test_host_syncs.py",

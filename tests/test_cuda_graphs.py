@@ -253,6 +253,7 @@ def test_a_graph_step_copies_only_the_block_table_columns_it_uses(
     torch.testing.assert_close(logits, want)
 
 
+@pytest.mark.cpu_only  # stands in for torch.cuda, which a GPU run needs for real
 def test_capture_uses_one_side_stream_and_one_memory_pool(
     tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
