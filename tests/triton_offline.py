@@ -17,11 +17,13 @@ GPU launch runs, and the test fails loudly if a Triton release moves them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,7 +45,8 @@ MODEL_SHAPES: dict[str, tuple[int, int, int, bool, bool]] = {
     "gemma-2-9b": (256, 16, 8, True, True),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-BLOCK_SIZE = 16  # the default KV page; the page size is one constexpr among others
+BLOCK_SIZE = 16  # the default KV page
+OTHER_PAGES = (1, 12, 128)  # block_size may be any of 1..1024: a few others, on one shape
 
 
 @dataclass
@@ -59,10 +62,10 @@ class Compiled:
 
 
 def recorded_launches() -> list[tuple[str, tuple, dict]]:
-    """(name, args, kwargs) of every distinct kernel launch of MODEL_SHAPES x DTYPES, decode and
-    prefill steps, sliding-window and full layers, as `paged_attention` makes them."""
+    """(name, args, kwargs) of every distinct kernel launch of MODEL_SHAPES x DTYPES (and a few
+    other page sizes): decode and prefill steps, sliding-window and full layers, as
+    `paged_attention` makes them."""
     from server.model import triton_attention
-    from server.model.attention import PagedStep
 
     calls: list[tuple[tuple, dict]] = []
 
@@ -70,39 +73,58 @@ def recorded_launches() -> list[tuple[str, tuple, dict]]:
         def __getitem__(self, grid: tuple) -> Any:
             return lambda *args, **kwargs: calls.append((args, kwargs))
 
+    cases = [(shape, dtype, BLOCK_SIZE) for shape in MODEL_SHAPES for dtype in DTYPES]
+    cases += [("llama-3.1-8b", "bf16", page) for page in OTHER_PAGES]
+    launches, seen = [], set()
     real = triton_attention._paged_attention_kernel
     triton_attention._paged_attention_kernel = Recorder()  # type: ignore[assignment]
-    launches, seen = [], set()
     try:
-        for shape, (head_dim, heads, kv_heads, windowed, capped) in MODEL_SHAPES.items():
-            for dtype_name, dtype in DTYPES.items():
-                pool = torch.zeros(4 * BLOCK_SIZE, kv_heads, head_dim, dtype=dtype)
-                for kind, num_new in (("decode", [1, 1]), ("prefill", [3, 40])):
-                    step = PagedStep.build(
-                        [[0, 1, 2], [3]], [5, 0], num_new, BLOCK_SIZE, torch.device("cpu")
-                    )
-                    q = torch.zeros(1, sum(num_new), heads, head_dim, dtype=dtype)
-                    q = q.transpose(1, 2)[0].transpose(0, 1)  # the model's strided view
-                    for window in (4096, None) if windowed else (None,):
-                        calls.clear()
-                        triton_attention.paged_attention(
-                            q,
-                            pool,
-                            pool,
-                            step,
-                            scale=head_dim**-0.5,
-                            softcap=50.0 if capped else None,
-                            window=window,
-                        )
-                        ((args, kwargs),) = calls
-                        key = launch_key(args, kwargs)
-                        if key not in seen:
-                            seen.add(key)
-                            layer = "window" if window else "full"
-                            launches.append((f"{shape} {dtype_name} {kind} {layer}", args, kwargs))
+        for shape, dtype, page in cases:
+            for kind in ("decode", "prefill"):
+                for layer, call in _calls(shape, DTYPES[dtype], page, kind):
+                    calls.clear()
+                    call()
+                    ((args, kwargs),) = calls
+                    if (key := launch_key(args, kwargs)) not in seen:
+                        seen.add(key)
+                        paged = "" if page == BLOCK_SIZE else f" page {page}"
+                        launches.append((f"{shape} {dtype} {kind} {layer}{paged}", args, kwargs))
     finally:
         triton_attention._paged_attention_kernel = real
     return launches
+
+
+def _calls(
+    shape: str, dtype: torch.dtype, page: int, kind: str
+) -> list[tuple[str, Callable[[], object]]]:
+    """(layer kind, a `paged_attention` call) of one step of `shape` in `dtype`: two sequences,
+    one token each (decode) or a 3-token chunk after 5 cached tokens and a 40-token prompt."""
+    from server.model import triton_attention
+    from server.model.attention import PagedStep
+
+    head_dim, heads, kv_heads, windowed, capped = MODEL_SHAPES[shape]
+    num_new = [1, 1] if kind == "decode" else [3, 40]
+    tables = [list(range(-(-(5 + num_new[0]) // page))), list(range(8, 8 + -(-num_new[1] // page)))]
+    step = PagedStep.build(tables, [5, 0], num_new, page, torch.device("cpu"))
+    pool = torch.zeros(max(map(max, tables)) * page + page, kv_heads, head_dim, dtype=dtype)
+    q = torch.zeros(1, sum(num_new), heads, head_dim, dtype=dtype)
+    q = q.transpose(1, 2)[0].transpose(0, 1)  # the strided view the model hands over
+    return [
+        (
+            "window" if window else "full",
+            functools.partial(
+                triton_attention.paged_attention,
+                q,
+                pool,
+                pool,
+                step,
+                scale=head_dim**-0.5,
+                softcap=50.0 if capped else None,
+                window=window,
+            ),
+        )
+        for window in ((4096, None) if windowed else (None,))
+    ]
 
 
 def launch_key(args: tuple, kwargs: dict) -> str:
