@@ -15,10 +15,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from server.config import ServerConfig, with_device_defaults
 from server.engine.engine import Engine
-from server.model.devices import pick_device, pick_dtype
+from server.model.devices import compiler_available, pick_device, pick_dtype
 from server.model.kv_budget import KVBudget
 from server.model.loader import default_cache_dir, resolve_model_dir
-from server.model.runner import ModelRunner, compiler_available
+from server.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

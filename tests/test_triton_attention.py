@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 from decoding import DecodingParams
 from server.engine.engine import Engine
 from server.model.attention import PagedStep, _attend
-from server.model.runner import ModelRunner, pick_attention_backend
+from server.model.devices import pick_attention_backend
+from server.model.runner import ModelRunner
 from server.model.triton_attention import paged_attention
 from tests.conftest import TEST_DEVICE
 from tests.engine_driver import generate

@@ -29,7 +29,7 @@ from server.model.compiled_decode import (
 )
 from server.model.cpu_linear import apply_linear_layout
 from server.model.cuda_graphs import DecodeGraphs
-from server.model.devices import (  # noqa: F401  (the backend choice is imported from here too)
+from server.model.devices import (
     compiler_available,
     dtype_warning,
     pick_attention_backend,
