@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks (benchmarks/gpu_wheels.txt, then any names given as
 # arguments) for CPython 3.12 on x86-64 into .whl/ at the repository root (kept out of git).
+# Platforms up to manylinux_2_35 (a CUDA 13 image's glibc is newer): llguidance 1.9 ships only
+# manylinux_2_31 wheels.
 # Each is pinned to the version installed here when there is one: the versions the CPU tests ran
 # with, which match one another (pydantic pins pydantic-core exactly; fastapi needs its starlette);
 # if the index lacks that version, the newest one it has is taken, with a warning.
@@ -27,7 +29,8 @@ PY
 )
 download() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 --platform any -d .whl "$1" 2>&1 | grep -v "is ignored"
   return "${PIPESTATUS[0]}"
