@@ -23,6 +23,8 @@ def to_device(
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     target = torch.device(device)
+    if target.type == "cpu" and tensor.device.type != "cpu":
+        return tensor.to(target)  # to the host: a non-blocking copy would not be waited for
     if target.type == "cuda" and tensor.device.type == "cpu":
         tensor = tensor.pin_memory()
     return tensor.to(target, non_blocking=True)  # a no-op on the tensor's own device
