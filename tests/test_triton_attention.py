@@ -83,7 +83,7 @@ def test_kernel_matches_the_gather_reference_on_random_steps(dtype: torch.dtype)
         assert step.slot_mapping.tolist() == slots
 
 
-def _engine(model_dir: Path, backend: str, **limits: int) -> Engine:
+def backend_engine(model_dir: Path, backend: str, **limits: int) -> Engine:
     runner = ModelRunner(
         model_dir,
         device=TEST_DEVICE,
@@ -109,7 +109,7 @@ def test_engine_on_the_kernel_generates_what_the_reference_path_does(
     prompts.append([7, 11, 19])
     runs = {}
     for backend in ("gather", "triton"):
-        engine = _engine(model_dir, backend, max_num_seqs=8, max_num_batched_tokens=16)
+        engine = backend_engine(model_dir, backend, max_num_seqs=8, max_num_batched_tokens=16)
         greedy = generate(
             engine, prompts, DecodingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
         )

@@ -20,17 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from decoding import DecodingParams
-from server.engine.engine import Engine
 from server.model import triton_attention
 from server.model.attention import PagedStep
-from server.model.runner import ModelRunner
 from server.model.triton_attention import launch_config, paged_attention
 from tests.conftest import TEST_DEVICE
 from tests.engine_driver import generate
-from tests.test_triton_attention import reference
+from tests.test_triton_attention import backend_engine, reference
 from tests.triton_offline import DTYPES, MODEL_SHAPES, cuda_binder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,21 +145,11 @@ def test_serving_after_warm_up_compiles_no_new_kernel_variant(
             return launch
 
     monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Keyed())
-    runner = ModelRunner(
-        model_dir,
-        device=TEST_DEVICE,
-        dtype=torch.float32,
-        block_size=4,
-        num_blocks=192,
-        attention_backend="triton",
-    )
-    runner.warm_up()
+    engine = backend_engine(model_dir, "triton", max_num_seqs=8, max_num_batched_tokens=16)
+    engine.runner.warm_up()
     warmed = set(seen)
     assert len(warmed) == 4  # decode and chunk tiles, window and global layers
     seen.clear()
-    engine = Engine(
-        runner, AutoTokenizer.from_pretrained(model_dir), max_num_seqs=8, max_num_batched_tokens=16
-    )
     shared = [5, 9, 13, 17, 21, 25, 29, 33, 37]
     prompts = [shared + [41 + i] * (1 + 3 * i) for i in range(5)] + [[7, 11, 19], [3]]
     generate(engine, prompts, DecodingParams(max_tokens=14, ignore_eos=True, temperature=0.0))
