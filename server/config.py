@@ -209,6 +209,12 @@ class ServerConfig(BaseModel):
     playground: bool = Field(
         True, description="serve the decoding playground page at / (false: / answers 404)"
     )
+    responses_store_size: int = Field(
+        100,
+        ge=0,
+        description="responses kept in memory for previous_response_id and GET "
+        "/v1/responses/{id}, the oldest dropped first (0 = none: previous_response_id is a 400)",
+    )
     max_waiting_requests: int = Field(
         256, ge=0, description="queued requests beyond running; then 503"
     )

@@ -89,7 +89,7 @@ def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
         "--drain-timeout", "--api-key", "--api-key-file", "--public-path",
         "--cors-allow-origin", "--max-body-bytes", "--max-header-bytes", "--log-level",
         "--log-format", "--grammar-cache-size", "--grammar-compile-timeout", "--playground",
-        "--no-playground",
+        "--no-playground", "--responses-store-size",
     }  # fmt: skip
     dests = {a.dest for a in serve_parser()._actions} - {"help", "config"}
     assert dests == set(ServerConfig.model_fields) - CONFIG_ONLY_KEYS
