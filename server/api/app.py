@@ -12,17 +12,27 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.api import playground, responses, serving, streaming, tokenization
+from server.api import (
+    playground,
+    responses,
+    responses_api,
+    responses_stream,
+    serving,
+    streaming,
+    tokenization,
+)
 from server.api.errors import APIError, install_error_handlers
 from server.api.guards import APIKeyGuard, BodySizeGuard
 from server.api.middleware import RequestIdMiddleware
 from server.api.models_route import ModelList, model_list
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.api.response_store import ResponseStore
 from server.api.serving import Job, ServingContext
 from server.api.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest
 from server.config import ServerConfig
@@ -114,6 +124,7 @@ def create_app(
     config = config or (ctx.config if ctx is not None else ServerConfig())
     state = ServingState(config)
     state.ctx = ctx
+    response_store = ResponseStore(config.responses_store_size)
 
     def load(build: Callable[[], ServingContext]) -> None:
         try:
@@ -268,6 +279,16 @@ def create_app(
         return await run(
             request, c, [job], stream, lambda: responses.chat_response(c, request_id, job)
         )
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(body: dict[str, Any], request: Request):
+        call = await responses_api.prepare(state.require(), response_store, body)
+        stream = (lambda: responses_stream.stream_response(call)) if call.streams else None
+        return await run(request, call.ctx, [call.job], stream, lambda: responses_api.respond(call))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(response_store.get(response_id))
 
     return app
 
