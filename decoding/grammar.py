@@ -28,6 +28,8 @@ import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from decoding.json_schemas import as_clients_mean
+
 if TYPE_CHECKING:  # a TypedDict of the type stubs only
     from llguidance._lib import JsonCompileOptions
 
@@ -53,9 +55,11 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> GrammarSpec:
-        """A schema as compact JSON text (its key order kept: properties are generated in the
-        order the schema lists them)."""
-        return cls("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+        """A schema as clients mean it (json_schemas.py: objects closed unless they say
+        otherwise, numbers bounded), as compact JSON text (its key order kept: properties are
+        generated in the order the schema lists them)."""
+        meant = as_clients_mean(schema)
+        return cls("json", json.dumps(meant, ensure_ascii=False, separators=(",", ":")))
 
     @classmethod
     def choice(cls, choices: list[str]) -> GrammarSpec:

@@ -49,6 +49,9 @@ FALLBACK_TOOLS_PROMPT = (
     "To call tools, reply with one block per call and nothing else:\n"
     '<tool_call>{{"name": "<tool name>", "arguments": {{<arguments>}}}}</tool_call>'
 )
+# Calls one forced reply may hold with parallel_tool_calls: a small model otherwise lists the same
+# call again and again until max_tokens (a forced reply ends only where its array may end).
+MAX_PARALLEL_CALLS = 8
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _HERMES_OPEN = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -147,10 +150,8 @@ def calls_schema(tools: list[Tool], single: bool) -> dict[str, Any]:
         for t in tools
     ]
     items = call_schemas[0] if len(call_schemas) == 1 else {"anyOf": call_schemas}
-    schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-    if single:
-        schema["maxItems"] = 1
-    return schema
+    most = 1 if single else MAX_PARALLEL_CALLS
+    return {"type": "array", "items": items, "minItems": 1, "maxItems": most}
 
 
 # ---- the prompt ---------------------------------------------------------------------------------

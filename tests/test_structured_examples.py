@@ -1,0 +1,118 @@
+"""Structured outputs end on the default model (Gemma 3 270M): README's own examples, and a plain
+pydantic model as `parse()` and instructor's JSON_SCHEMA mode send it, unbounded numbers and all.
+
+Before objects were closed and numbers bounded (decoding/json_schemas.py), README's "every beam
+valid" example wrote `"population": 1000000000000...` on every beam until the context was full,
+and a pydantic schema (no `additionalProperties`) let the model invent keys until max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from server.api.app import create_app
+from server.api.serving import ServingContext
+from server.api.tools import MAX_PARALLEL_CALLS
+from server.model.loader import resolve_model_dir
+from tests.conftest import make_engine, serving_context
+
+pytestmark = pytest.mark.default_model
+README = Path(__file__).resolve().parents[1] / "README.md"
+SAFETY_NET = 400  # tokens: a reply that has not ended by then never would
+
+
+class CityFacts(BaseModel):
+    city: str
+    country: str
+    population: int  # no maximum: what made every beam write digits forever
+    area_km2: float
+    founded: int
+
+
+def readme_examples() -> list[dict]:
+    """The request bodies of README's structured-outputs block (`$C '...'` lines, `$S` filled)."""
+    section = README.read_text().split("### Structured outputs and tool calls", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    match = re.search(r"^S='(.*)'$", block, re.M)
+    assert match is not None
+    bodies = []
+    for line in block.splitlines():
+        if line.startswith("$C '"):
+            body = line.removeprefix("$C '").split("'  #")[0].removesuffix("'")
+            bodies.append(json.loads(body.replace("'\"$S\"'", match.group(1))))
+    return bodies
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[ServingContext]:
+    model = resolve_model_dir(None)
+    engine = make_engine(model, num_blocks=512, block_size=16)
+    # a loaded 2-core machine can take longer than the 10 s default to compile Gemma's grammars
+    c = serving_context(engine, name="gemma-3-270m", grammar_compile_timeout=60.0)
+    yield c
+    c.engine.shutdown()
+
+
+@pytest.fixture
+async def client(ctx: ServingContext) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=600) as c:
+        yield c
+
+
+def schema_of(body: dict) -> dict | None:
+    fmt = body.get("response_format") or {}
+    return fmt.get("json_schema", {}).get("schema") if fmt.get("type") == "json_schema" else None
+
+
+@pytest.mark.parametrize("body", readme_examples(), ids=lambda b: b["messages"][0]["content"])
+async def test_every_structured_example_in_the_readme_finishes(
+    client: httpx.AsyncClient, body: dict
+) -> None:
+    r = await client.post("/v1/chat/completions", json={**body, "max_tokens": SAFETY_NET})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    for choice in choices:
+        if body.get("tool_choice") == "required":
+            assert choice["finish_reason"] == "tool_calls", choice
+            assert 1 <= len(choice["message"]["tool_calls"]) <= MAX_PARALLEL_CALLS
+            continue
+        assert choice["finish_reason"] == "stop", choice
+        if (schema := schema_of(body)) is not None:
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+@pytest.mark.parametrize(("sender", "beams"), [("parse", 1), ("instructor", 1), ("instructor", 4)])
+async def test_a_plain_pydantic_model_with_unbounded_numbers_ends(
+    client: httpx.AsyncClient, sender: str, beams: int
+) -> None:
+    """`parse()` sends the model's schema made strict (`additionalProperties: false` written
+    in); instructor's JSON_SCHEMA mode sends pydantic's schema as it is (none written)."""
+    schema = CityFacts.model_json_schema()
+    if sender == "parse":
+        schema = {**schema, "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "CityFacts", "schema": schema}}
+    ask = [{"role": "user", "content": "Facts about Tokyo as JSON."}]
+    body = {"messages": ask, "response_format": fmt, "max_tokens": SAFETY_NET, "temperature": 0}
+    if beams > 1:
+        body |= {"num_beams": beams, "n": beams}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        facts = CityFacts.model_validate_json(choice["message"]["content"])
+        assert abs(facts.population) < 2**63 and set(json.loads(choice["message"]["content"])) == {
+            "city",
+            "country",
+            "population",
+            "area_km2",
+            "founded",
+        }
