@@ -64,9 +64,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-model-len", type=int, default=131_072)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = []
     for rows in map(int, args.rows.split(",")):
         ms = measure(rows, args.context, args.max_model_len, args.block_size, args.repeats)
