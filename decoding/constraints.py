@@ -14,6 +14,9 @@ Tokens that end a row (the model's EOS and the request's `stop_token_ids`) are a
 where the constraint is complete (`accepting`), whatever else the constraint says about them: a
 finished grammar can only end, an unfinished one cannot. Rows without a constraint cost nothing.
 
+vLLM's `allowed_token_ids` is a mask of the same kind (no state: the same tokens at every step),
+alone or on top of a grammar; unlike a grammar it allows no ending token it does not list.
+
 When the constraint, `min_tokens`, `bad_words` and `logit_bias` together leave a row no token at
 all, the row ends with `NO_LEGAL_TOKEN`, or with "stop" if its output already completes the
 constraint (e.g. `ignore_eos` with a finished grammar); it never emits an illegal token.
@@ -106,30 +109,40 @@ def build_constraint_mask(
     eos_ids: Iterable[int],
     vocab_size: int,
     device: torch.device | str,
+    allowed: Sequence[tuple[int, ...] | None] | None = None,
 ) -> ConstraintMask | None:
     """The mask of every constrained row (None when no row has a constraint).
 
     `finishing_ids[r]`: the tokens that end row r (its request's stop ids, and EOS unless
     ignored); `eos_ids`: the model's EOS ids, which a constraint never allows by itself.
+    `allowed[r]`: vLLM's `allowed_token_ids` of row r, if any: only they may be chosen, the
+    ending tokens included (a row with them alone is a constrained row too).
     """
-    rows = [r for r, c in enumerate(constraints) if c is not None]
+    allowed = allowed if allowed is not None else [None] * len(constraints)
+    rows = [r for r, (c, a) in enumerate(zip(constraints, allowed)) if c is not None or a]
     if not rows:
         return None
     bitmask = torch.zeros((len(rows), (vocab_size + 31) // 32), dtype=torch.int32)
     for i, r in enumerate(rows):
         constraint = constraints[r]
-        assert constraint is not None
-        constraint.fill_allowed(bitmask, i)
+        if constraint is not None:
+            constraint.fill_allowed(bitmask, i)
+        else:
+            bitmask[i] = -1  # every bit set: the allowed ids below are the only limit
     banned = _unpack_bits(torch.bitwise_not(bitmask), vocab_size)
     eos = set(eos_ids)
     for i, r in enumerate(rows):
+        constraint = constraints[r]
         ends = sorted(t for t in eos | finishing_ids[r] if t < vocab_size)
-        if ends:
-            constraint = constraints[r]
-            assert constraint is not None
+        if constraint is not None and ends:
             banned[i, ends] = True
             if constraint.accepting:
                 banned[i, sorted(t for t in finishing_ids[r] if t < vocab_size)] = False
+        ids = allowed[r]
+        if ids:
+            keep = torch.zeros(vocab_size, dtype=torch.bool)
+            keep[[t for t in ids if t < vocab_size]] = True
+            banned[i] |= ~keep
     runs: list[tuple[int, int]] = []
     for r in rows:
         if runs and runs[-1][1] == r:

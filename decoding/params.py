@@ -70,6 +70,13 @@ class DecodingParams:
     do_sample: bool | None = None
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
     prompt_logprobs: int | None = None  # the same for every prompt token (scored in prefill)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be chosen, EOS included
+    # --- the output's text and the request's place in the engine (vLLM's fields) ---
+    include_stop_str_in_output: bool = False  # the stop string (or stop id's text) ends the text
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # slow tokenizers only (fast ones have no such)
+    priority: int = 0  # waiting requests start lowest first, then by arrival
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
     def __post_init__(self) -> None:
         # Normalise container types so equal requests compare equal (lists from JSON, str keys).
@@ -77,6 +84,8 @@ class DecodingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "bad_words_ids", _normalise_bad_words(self.bad_words_ids))
         object.__setattr__(self, "logit_bias", parse_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._check_values()
         self._check_combinations()
 
@@ -171,6 +180,22 @@ class DecodingParams:
             "bad_words_ids",
             "bad_words_ids must be non-empty sequences of token ids (integers >= 0)",
         )
+        _check(
+            self.allowed_token_ids is None
+            or (bool(self.allowed_token_ids) and all(map(_token_id, self.allowed_token_ids))),
+            "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of token ids (integers >= 0)",
+        )
+        _check(
+            isinstance(self.priority, int) and not isinstance(self.priority, bool),
+            "priority",
+            "priority must be an integer",
+        )
+        _check(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and bool(self.cache_salt)),
+            "cache_salt",
+            "cache_salt must be a non-empty string",
+        )
 
     def _check_combinations(self) -> None:
         if self.do_sample is True and self.temperature == 0.0:
@@ -264,6 +289,7 @@ def check_vocab(params: DecodingParams, vocab_size: int) -> None:
         ("logit_bias", params.logit_bias.keys()),
         ("stop_token_ids", params.stop_token_ids),
         ("bad_words_ids", [t for seq in params.bad_words_ids for t in seq]),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
     ):
         bad = [t for t in ids if t >= vocab_size]
         if bad:

@@ -5,14 +5,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def find_stop(text: str, stops: Sequence[str], search_from: int = 0) -> int | None:
-    """Index where the earliest stop string starts in `text[search_from:]` onwards, or None.
+def find_stop(text: str, stops: Sequence[str], searched: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in `text` that ends after its first `searched` characters, as
+    (where it starts, which one); None if there is none. Of stops starting at the same place,
+    the first listed wins (as in vLLM).
 
-    `search_from` lets callers skip text already checked; a stop string may straddle the boundary,
-    so they pass (previous length - longest stop + 1).
+    `searched` lets callers skip text already checked (a stop may still straddle it), and start
+    looking only after a prefix that may hold none (vLLM's min_tokens: no stop string before).
     """
-    found = [i for s in stops if (i := text.find(s, max(0, search_from))) >= 0]
-    return min(found) if found else None
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        start = text.find(stop, max(0, searched - len(stop) + 1))
+        if start >= 0 and (best is None or start < best[0]):
+            best = (start, stop)
+    return best
 
 
 def holdback(stops: Sequence[str]) -> int:

@@ -12,12 +12,14 @@ from server.engine.request import EngineRequest, RequestOutput, Sequence
 
 @dataclass(eq=False)
 class StubRequest:
-    """What the scheduler needs of a request: its rows, its width, and where its prompt still
-    needs computing for prompt logprobs (no decoding state)."""
+    """What the scheduler needs of a request: its rows, its width, where its prompt still needs
+    computing for prompt logprobs, its priority and prefix-cache salt (no decoding state)."""
 
     rows: list[Sequence] = field(default_factory=list)
     width: int = 1
     unscored_from: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 def stub_rows(token_ids: list[int], rows: int = 1) -> StubRequest:

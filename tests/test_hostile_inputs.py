@@ -563,7 +563,7 @@ CHAT_CASES = [
         "chat",
         chat(messages=[{"role": "user", "content": "x " * 600}]),
         400,
-        None,
+        "messages",
         "context_length_exceeded",
         path=CHAT,
     ),

@@ -12,14 +12,10 @@ from typing import Any
 import pytest
 
 from decoding import DecodingParams
-from server.api.protocol import (
-    IGNORED_FIELDS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingFields,
-)
+from server.api.extension_fields import FIELDS
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.request_params import CONVERTED_FIELDS, PASSED_AS_IS, decoding_params
-from server.api.serving import ServingContext
+from server.api.serving import GUIDED_FIELDS, ServingContext
 from server.config import ServerConfig
 from server.engine.client import KVCapacity
 
@@ -27,8 +23,10 @@ PARAMS_DEFAULTS = {
     f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     for f in dataclasses.fields(DecodingParams)
 }
-# Request fields that are no decoding parameter (bad_words feeds bad_words_ids; the structured
-# output fields become the request's constraint, server/api/structured.py).
+# Request fields of both endpoints that are no decoding parameter: bad_words feeds bad_words_ids;
+# the structured output fields become the request's constraint (server/api/structured.py); the
+# prompt's tokens (truncation, special tokens), the response's shape and id, and the fields that
+# change nothing (server/api/extension_fields.py) are the front end's.
 NOT_PARAMS = {
     "model",
     "stream",
@@ -36,9 +34,16 @@ NOT_PARAMS = {
     "bad_words",
     "response_format",
     "structured_outputs",
-    *IGNORED_FIELDS,
+    *GUIDED_FIELDS,
+    "use_beam_search",
+    "truncate_prompt_tokens",
+    "truncation_side",
+    "add_special_tokens",
+    "return_token_ids",
+    "request_id",
+    *(f.name for f in FIELDS if f.status == "no effect" and "." not in f.name),
 }
-# Fields of each endpoint's own, beyond SamplingFields.
+# Fields of each endpoint's own.
 ENDPOINT_FIELDS = {
     CompletionRequest: {"prompt", "echo", "logprobs", "suffix"},  # max_tokens: also 0 here
     ChatCompletionRequest: {
@@ -51,8 +56,14 @@ ENDPOINT_FIELDS = {
         "parallel_tool_calls",
         "add_generation_prompt",
         "continue_final_message",
+        "echo",
+        "documents",
+        "chat_template_kwargs",
+        "reasoning_effort",
+        "include_reasoning",
     },
 }
+ENDPOINTS = (CompletionRequest, ChatCompletionRequest)
 
 
 def test_every_params_field_is_passed_as_is_or_converted() -> None:
@@ -60,17 +71,18 @@ def test_every_params_field_is_passed_as_is_or_converted() -> None:
     assert set(PASSED_AS_IS) == set(PARAMS_DEFAULTS) - set(CONVERTED_FIELDS)
 
 
+@pytest.mark.parametrize("model", ENDPOINTS)
 @pytest.mark.parametrize("name", PASSED_AS_IS)
-def test_a_field_passed_as_is_has_the_same_default_on_both_sides(name: str) -> None:
-    assert name in SamplingFields.model_fields, f"{name} is a DecodingParams field only"
-    assert SamplingFields.model_fields[name].get_default() == PARAMS_DEFAULTS[name]
+def test_a_field_passed_as_is_has_the_same_default_on_both_sides(name: str, model: type) -> None:
+    assert name in model.model_fields, f"{name} is a DecodingParams field only"
+    assert model.model_fields[name].get_default() == PARAMS_DEFAULTS[name]
 
 
-def test_the_request_declares_no_decoding_field_that_params_lacks() -> None:
-    request_side = set(SamplingFields.model_fields) - set(PASSED_AS_IS) - set(CONVERTED_FIELDS)
-    assert request_side == NOT_PARAMS
-    for model, own in ENDPOINT_FIELDS.items():
-        assert set(model.model_fields) - set(SamplingFields.model_fields) == own
+@pytest.mark.parametrize("model", ENDPOINTS)
+def test_the_request_declares_no_decoding_field_that_params_lacks(model: type) -> None:
+    request_side = set(model.model_fields) - set(PASSED_AS_IS) - set(CONVERTED_FIELDS)
+    assert request_side <= NOT_PARAMS | ENDPOINT_FIELDS[model]
+    assert ENDPOINT_FIELDS[model] <= set(model.model_fields)
 
 
 def context(**config: Any) -> ServingContext:

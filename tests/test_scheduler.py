@@ -1,6 +1,6 @@
 from server.engine.block_pool import BlockPool
 from server.engine.request import Sequence
-from server.engine.scheduler import Scheduler, StepPlan
+from server.engine.scheduler import Scheduler, StepPlan, enqueue
 from tests.engine_driver import stub_rows
 
 
@@ -115,3 +115,23 @@ def test_a_wide_request_waits_for_room_in_the_row_cap() -> None:
     add(sched, narrow, wide)
     plan = sched.schedule()
     assert {i.seq.request for i in plan.items} == {narrow.request}  # 2 + 3 rows > 4
+
+
+def test_waiting_requests_start_lowest_priority_first_then_in_arrival_order() -> None:
+    sched = Scheduler(BlockPool(64, 4), max_num_seqs=1, max_num_batched_tokens=4)
+    requests = {}
+    for name, priority in (("a", 0), ("b", 1), ("c", -1), ("d", 0), ("e", -1)):
+        requests[name] = stub_rows([1, 2])
+        requests[name].priority = priority
+        sched.add(requests[name])  # type: ignore[arg-type]
+    assert [r.priority for r in sched.waiting] == [-1, -1, 0, 0, 1]
+    order = {id(r): name for name, r in requests.items()}
+    assert [order[id(r)] for r in sched.waiting] == ["c", "e", "a", "d", "b"]
+    # a preempted request goes back first among the waiting ones of its priority (it arrived
+    # before them), after those of a lower value
+    late = stub_rows([1, 2])
+    late.priority = 0
+    enqueue(sched.waiting, late, preempted=True)  # type: ignore[arg-type]
+    assert [order.get(id(r), "late") for r in sched.waiting] == ["c", "e", "late", "a", "d", "b"]
+    plan = sched.schedule()
+    assert {i.seq.request for i in plan.items} == {requests["c"]}

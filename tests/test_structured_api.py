@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server.api.protocol import IGNORED_FIELDS
+from server.api.extension_fields import FIELDS
 from server.api.serving import ServingContext
 
 SCHEMA = {
@@ -138,7 +138,19 @@ BAD_CONSTRAINTS = {  # id: (request fields, param, code)
         "unknown_field",
     ),
     "both-fields": ({SO: {"regex": "a"}, RF: {"type": "json_object"}}, SO, "conflicting_fields"),
-    "unknown-field": ({"guided_json": {"type": "object"}}, "guided_json", "unknown_field"),
+    "unknown-field": ({"structured_output": {"regex": "a"}}, "structured_output", "unknown_field"),
+    "refused-field": (
+        {"guided_whitespace_pattern": " *"},
+        "guided_whitespace_pattern",
+        "unsupported",
+    ),
+    "guided-bad-regex": ({"guided_regex": "(a"}, "guided_regex", "invalid_grammar"),
+    "guided-twice": (
+        {"guided_regex": "a", "guided_choice": ["a"]},
+        "guided_choice",
+        "conflicting_fields",
+    ),
+    "guided-and-so": ({"guided_regex": "a", SO: {"regex": "a"}}, SO, "conflicting_fields"),
     "suffix": ({"suffix": "tail"}, "suffix", "unsupported"),
     "too-large": ({SO: {"regex": "a" * 300_000}}, "structured_outputs.regex", "grammar_too_large"),
 }
@@ -179,15 +191,16 @@ async def test_null_means_default_and_ignored_fields_are_accepted(
         "safety_identifier": "s",
         "prediction": {"type": "content", "content": "x"},
     }
-    assert set(ignored) == set(IGNORED_FIELDS)
+    openai_no_effect = {f.name for f in FIELDS if (f.origin, f.status) == ("OpenAI", "no effect")}
+    assert set(ignored) == openai_no_effect - {"stream_options.include_obfuscation"}
     r = await client.post("/v1/chat/completions", json={**CHAT, **ignored, "max_tokens": 3})
     assert r.status_code == 200, r.text
     error = _error(await client.post("/v1/chat/completions", json={**CHAT, "messages": None}))
     assert error["param"] == "messages"
     error = _error(
-        await client.post("/v1/chat/completions", json={**CHAT, "reasoning_effort": "high"})
+        await client.post("/v1/chat/completions", json={**CHAT, "web_search_options": {}})
     )
-    assert error["param"] == "reasoning_effort" and "reasoning_effort" in error["message"]
+    assert error["param"] == "web_search_options" and "web_search_options" in error["message"]
 
 
 async def test_compiles_are_cached_and_counted(

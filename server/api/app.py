@@ -246,7 +246,7 @@ def create_app(
         c = state.require()
         jobs = serving.completion_jobs(c, body)
         await serving.compile_constraints(c, jobs)
-        request_id = serving.new_request_id("completion")
+        request_id = serving.new_request_id("completion", body.request_id)
         stream = (
             (
                 lambda: streaming.stream_events(
@@ -255,6 +255,7 @@ def create_app(
                     jobs,
                     body.include_usage,
                     streaming.completion_chunk_maker(c, request_id),
+                    continuous_usage=body.continuous_usage,
                 )
             )
             if body.stream
@@ -269,10 +270,20 @@ def create_app(
         c = state.require()
         job = serving.chat_job(c, body)
         await serving.compile_constraints(c, [job])
-        request_id = serving.new_request_id("chat")
+        request_id = serving.new_request_id("chat", body.request_id)
         make, first = streaming.chat_chunk_maker(c, request_id, body.n, job.tool_plan)
         stream = (
-            (lambda: streaming.stream_events(c, request_id, [job], body.include_usage, make, first))
+            (
+                lambda: streaming.stream_events(
+                    c,
+                    request_id,
+                    [job],
+                    body.include_usage,
+                    make,
+                    first,
+                    continuous_usage=body.continuous_usage,
+                )
+            )
             if body.stream
             else None
         )

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decoding import DecodingParamsError
+from server.api.extension_fields import refused
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,11 @@ def install_error_handlers(
         code = "invalid_value"
         if param is not None and len(param) > MAX_PARAM_CHARS:  # never echo a huge key back
             param = param[:MAX_PARAM_CHARS] + "..."
-        if first.get("type") == "extra_forbidden":
+        entry = refused(param or "") if first.get("type") == "extra_forbidden" else None
+        if entry is not None:
+            code = "unsupported"
+            message = f"{param} is not supported by this server: {entry.meaning}"
+        elif first.get("type") == "extra_forbidden":
             code = "unknown_field"
             message = (
                 f"unknown field {param!r}: this server does not implement it (fields that change "

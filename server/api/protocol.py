@@ -6,57 +6,23 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
+
+from server.api.openai_model import OpenAIModel, TokenIds
+from server.api.vllm_fields import VLLMChatFields, VLLMCompletionFields
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-# Request fields OpenAI clients send that change nothing in what this server returns: accepted
-# and ignored (README, "Request fields"). Any other unknown field is a 400 naming it.
-IGNORED_FIELDS = (
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "prompt_cache_key",
-    "safety_identifier",
-    "prediction",
-)
-
-
-class OpenAIModel(BaseModel):
-    """Base of every request body part.
-
-    - An unknown field is a 400 naming it: a field we do not implement must never be silently
-      ignored. The harmless ones are declared (IGNORED_FIELDS).
-    - An explicit null means "use the default" (clients send it for any nullable field); only a
-      required field cannot be null.
-    - Strict types: "0.5" is not a temperature and true is not a token count (ints still pass as
-      floats).
-    """
-
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        required = {
-            key
-            for name, info in cls.model_fields.items()
-            if info.is_required()
-            for key in (name, info.alias)
-            if key
-        }
-        return {k: v for k, v in data.items() if v is not None or k in required}
-
-
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     include_obfuscation: bool = True  # accepted; chunks carry no obfuscation padding here
+
+
+class VLLMStreamOptions(StreamOptions):
+    continuous_usage_stats: bool = False  # with include_usage: usage in every chunk
 
 
 class JSONSchemaFormat(OpenAIModel):
@@ -93,9 +59,6 @@ class StructuredOutputs(OpenAIModel):
         return self
 
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
-
-
 class SamplingFields(OpenAIModel):
     """Decoding fields shared by completions and chat completions."""
 
@@ -115,7 +78,7 @@ class SamplingFields(OpenAIModel):
     # Structured outputs (server/api/structured.py): at most one of the two.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    # Accepted and ignored (IGNORED_FIELDS).
+    # Accepted and ignored (server/api/extension_fields.py).
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -148,13 +111,19 @@ class SamplingFields(OpenAIModel):
         """A stream ends with a usage chunk when `stream_options.include_usage` asks for it."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: with `include_usage`, every chunk carries usage."""
+        return self.include_usage and getattr(self.stream_options, "continuous_usage_stats", False)
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, VLLMCompletionFields):
+    stream_options: VLLMStreamOptions | None = None
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt (echo + logprobs), no output
     echo: bool = False
@@ -221,7 +190,8 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, VLLMChatFields):
+    stream_options: VLLMStreamOptions | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -248,6 +218,9 @@ def _unset(value: object) -> bool:
     return value is None
 
 
+TokenIdsField = Annotated[list[int] | None, Field(exclude_if=_unset)]  # sent only when asked
+
+
 class Choice(BaseModel):
     """What every choice of a response or chunk carries besides its content; beam strategies add
     the hypothesis' score (HF `sequences_scores`) and, for diverse beams, its group."""
@@ -257,6 +230,7 @@ class Choice(BaseModel):
     finish_reason: str | None = None
     beam_score: Annotated[float | None, Field(exclude_if=_unset)] = None
     beam_group: Annotated[int | None, Field(exclude_if=_unset)] = None
+    token_ids: TokenIdsField = None  # vLLM's return_token_ids: this choice's (new) output tokens
 
 
 class ResponseBody(BaseModel):
@@ -314,6 +288,7 @@ PromptLogprobsField = Annotated[
 class CompletionChoice(Choice):
     text: str
     prompt_logprobs: PromptLogprobsField = None
+    prompt_token_ids: TokenIdsField = None  # return_token_ids: with the choice's first output
 
 
 class ChatChoice(Choice):
@@ -334,8 +309,10 @@ class ChatCompletionResponse(ResponseBody):
     choices: list[ChatChoice]
     usage: Usage  # always sent
     prompt_logprobs: PromptLogprobsField = None
+    prompt_token_ids: TokenIdsField = None  # return_token_ids
 
 
 class ChatCompletionChunk(ResponseBody):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+    prompt_token_ids: TokenIdsField = None  # return_token_ids: in the first chunk

@@ -7,12 +7,15 @@ the ones in CONVERTED_FIELDS (tests/test_request_params.py holds both sides to t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from decoding import DecodingParams, check_vocab, request_width
 from decoding.params import parse_logit_bias
 from server.api.context import ServingContext
 from server.api.errors import bad_request
-from server.api.protocol import SamplingFields
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
+
+Request = CompletionRequest | ChatCompletionRequest
 
 # DecodingParams fields that the request carries in another shape, and how each is converted.
 CONVERTED_FIELDS: dict[str, str] = {
@@ -21,9 +24,10 @@ CONVERTED_FIELDS: dict[str, str] = {
     "stop": "one string or a list of strings -> a tuple",
     "stop_token_ids": "a list or null -> a tuple",
     "logit_bias": "string keys -> token ids, null -> {}",
-    "bad_words_ids": "bad_words_ids, then every bad_words string tokenized",
+    "bad_words_ids": "bad_words_ids, then every bad_words string tokenized (also after a space)",
     "logprobs": "completions: logprobs; chat: top_logprobs (0 when absent) if logprobs is true",
     "prompt_logprobs": "prompt_logprobs; completions with echo and logprobs: at least logprobs",
+    "allowed_token_ids": "a list or null -> a tuple or None",
 }
 PASSED_AS_IS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodingParams) if f.name not in CONVERTED_FIELDS
@@ -32,35 +36,28 @@ PASSED_AS_IS: tuple[str, ...] = tuple(
 
 def decoding_params(
     ctx: ServingContext,
-    req: SamplingFields,
+    req: Request,
     prompt_len: int,
     max_tokens: int | None,
     logprobs: int | None,
     logprobs_param: str = "logprobs",
     max_tokens_param: str = "max_tokens",
     prompt_logprobs: int | None = None,
+    prompt_param: str = "prompt",
 ) -> DecodingParams:
     """Build DecodingParams; limits that depend on the server (context, caps) are checked here.
+    `max_tokens` None: the rest of the context.
 
     Invalid values raise DecodingParamsError, which the app answers with a 400 naming the field.
     """
     stops = req.stop_list()
     _check_server_limits(ctx, req, len(stops), logprobs, logprobs_param)
     _check_scoring(ctx, prompt_len, prompt_logprobs)
-    room = ctx.max_model_len - prompt_len
-    if max_tokens is None:  # the rest of the context, within what the KV pool holds for every row
-        width = request_width(req.n, req.best_of, req.num_beams)
-        max_tokens = min(room, ctx.engine.kv_capacity.tokens_per_row(width) - prompt_len)
-        room = max(min(room, max_tokens), 0)
-    if max_tokens > room or (room < 1 and max_tokens > 0) or room < 0:
-        raise bad_request(
-            f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
-            f"{prompt_len} tokens and max_tokens asks for {max_tokens} more",
-            max_tokens_param if room >= 1 else "prompt",
-            "context_length_exceeded",
-        )
+    values = _request_values(ctx, req)
+    width = request_width(values["n"], values["best_of"], values["num_beams"])
+    max_tokens = _max_tokens(ctx, prompt_len, max_tokens, width, max_tokens_param, prompt_param)
     params = DecodingParams(
-        **{name: getattr(req, name) for name in PASSED_AS_IS},
+        **values,
         max_tokens=max_tokens,
         stop=stops,
         stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -68,15 +65,62 @@ def decoding_params(
         logit_bias=parse_logit_bias(req.logit_bias),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids else None,
     )
     check_vocab(params, ctx.vocab_size)
     _check_fits_kv_pool(ctx, params, prompt_len, max_tokens_param)
     return params
 
 
+def _request_values(ctx: ServingContext, req: Request) -> dict[str, Any]:
+    """The fields passed as is: the request's, and vLLM's `use_beam_search` as beam search of
+    width n (greedy at n 1)."""
+    values = {name: getattr(req, name) for name in PASSED_AS_IS}
+    given = req.model_fields_set
+    if req.use_beam_search:
+        if "num_beams" not in given:
+            values["num_beams"] = req.n
+        if values["num_beams"] == 1 and "do_sample" not in given:
+            values["do_sample"] = False  # a beam of width 1 is greedy
+    return values
+
+
+def _max_tokens(
+    ctx: ServingContext,
+    prompt_len: int,
+    max_tokens: int | None,
+    width: int,
+    max_tokens_param: str,
+    prompt_param: str,
+) -> int:
+    """The request's max_tokens, or the room the context and the KV pool leave; a prompt that
+    leaves no room names the prompt, a max_tokens beyond it names it."""
+    room = ctx.max_model_len - prompt_len
+    if room < 0 or (room < 1 and max_tokens != 0):  # 0 only scores the prompt
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens but this model's maximum context length is "
+            f"{ctx.max_model_len} tokens, which leaves no room to generate: shorten the "
+            f"{prompt_param} (or set truncate_prompt_tokens)",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if max_tokens is None:
+        per_row = ctx.engine.kv_capacity.tokens_per_row(width) - prompt_len
+        return max(1, min(room, per_row))  # _check_fits_kv_pool names what is too big
+    if max_tokens > room:
+        raise bad_request(
+            f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens and {max_tokens_param} asks for {max_tokens} more: lower "
+            f"{max_tokens_param} to at most {room}, or shorten the {prompt_param}",
+            max_tokens_param,
+            "context_length_exceeded",
+        )
+    return max_tokens
+
+
 def _check_server_limits(
     ctx: ServingContext,
-    req: SamplingFields,
+    req: Request,
     num_stops: int,
     logprobs: int | None,
     logprobs_param: str,
@@ -137,12 +181,18 @@ def _check_fits_kv_pool(
         )
 
 
-def _bad_words(ctx: ServingContext, req: SamplingFields) -> tuple[tuple[int, ...], ...]:
+def _bad_words(ctx: ServingContext, req: Request) -> tuple[tuple[int, ...], ...]:
+    """bad_words_ids, then each bad word's tokens; as vLLM, also the tokens of the word after a
+    space when they are as many and begin differently (the word in the middle of a text)."""
     words = [tuple(ids) for ids in req.bad_words_ids or ()]
     for word in req.bad_words or ():
-        if not word:
+        if not word.strip():
             raise bad_request(
                 "bad_words must not contain empty strings", "bad_words", "invalid_value"
             )
-        words.append(tuple(ctx.tokenizer(word, add_special_tokens=False).input_ids))
+        alone = ctx.tokenizer(word.lstrip(), add_special_tokens=False).input_ids
+        spaced = ctx.tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids
+        words.append(tuple(alone))
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            words.append(tuple(spaced))
     return tuple(words)

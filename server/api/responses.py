@@ -4,9 +4,10 @@ streaming.py)."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from server.api import tools
 from server.api.errors import APIError
@@ -34,7 +35,9 @@ def _engine_outputs(
 async def run_jobs(
     ctx: ServingContext, request_id: str, jobs: list[Job]
 ) -> AsyncGenerator[tuple[Job, RequestOutput], None]:
-    """Run every job concurrently in the engine and yield (job, output) as outputs arrive."""
+    """Run every job concurrently in the engine and yield (job, output) as outputs arrive. Engine
+    ids are the response's id and a random suffix: unique even when clients reuse a request_id."""
+    request_id = f"{request_id}-{secrets.token_hex(4)}"
     if len(jobs) == 1:
         async with aclosing(_engine_outputs(ctx, request_id, jobs[0])) as outs:
             async for out in outs:
@@ -81,6 +84,7 @@ class ChoiceResult:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    token_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     prompt: PromptLogprobs | None = None  # the job's prompt logprobs, when it asked
     beam_score: float | None = None
@@ -104,6 +108,7 @@ async def collect(
                 job.choice_offset + out.index, ChoiceResult(job, text=job.echo_text)
             )
             choice.text += out.text
+            choice.token_ids += out.token_ids
             if out.logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + out.logprobs
             if out.finished:
@@ -142,6 +147,8 @@ async def completion_response(
                 prompt_logprobs=vllm_prompt_logprobs(ctx, c.job, c.prompt),
                 beam_score=c.beam_score,
                 beam_group=c.beam_group,
+                token_ids=c.token_ids if c.job.return_token_ids else None,
+                prompt_token_ids=prompt_token_ids(c.job),
             )
             for i, c in sorted(choices.items())
         ],
@@ -167,6 +174,11 @@ def legacy_logprobs(
     return completion_logprobs(ctx.tokenizer, [e.token_id for e in gen], gen, text_offset)
 
 
+def prompt_token_ids(job: Job) -> list[int] | None:
+    """vLLM's `return_token_ids`: the prompt's ids, as the engine ran them."""
+    return job.prompt_ids if job.return_token_ids else None
+
+
 def vllm_prompt_logprobs(
     ctx: ServingContext, job: Job, prompt: PromptLogprobs | None
 ) -> list | None:
@@ -184,6 +196,7 @@ async def chat_response(ctx: ServingContext, request_id: str, job: Job) -> ChatC
         choices=[_chat_choice(ctx, job, i, c) for i, c in sorted(choices.items())],
         usage=usage,
         prompt_logprobs=vllm_prompt_logprobs(ctx, job, first.prompt if first else None),
+        prompt_token_ids=prompt_token_ids(job),
     )
 
 
@@ -202,4 +215,5 @@ def _chat_choice(ctx: ServingContext, job: Job, index: int, c: ChoiceResult) -> 
         logprobs=chat_logprobs(ctx.tokenizer, c.logprobs) if c.logprobs is not None else None,
         beam_score=c.beam_score,
         beam_group=c.beam_group,
+        token_ids=c.token_ids if job.return_token_ids else None,
     )

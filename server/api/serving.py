@@ -5,6 +5,7 @@ Responses and streams are built in server/api/responses.py.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from decoding import DecodingParams
@@ -12,10 +13,24 @@ from decoding.grammar import Grammar
 from server.api import tools
 from server.api.context import ServingContext
 from server.api.errors import APIError, bad_request
-from server.api.protocol import ChatCompletionRequest, CompletionRequest, new_id
-from server.api.request_params import decoding_params
+from server.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StructuredOutputs,
+    new_id,
+)
+from server.api.request_params import Request, decoding_params
 from server.api.structured import Constraint, compile_constraint, request_constraint
 from server.api.tokenization import chat_prompt_ids, check_ids, encode_text
+
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# vLLM's older names of structured_outputs' members
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 # ---- request -> engine inputs ------------------------------------------------------------------
@@ -29,9 +44,11 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
         )
 
 
-def tokenize_prompt(ctx: ServingContext, prompt: str | list[int], param: str) -> list[int]:
+def tokenize_prompt(
+    ctx: ServingContext, prompt: str | list[int], param: str, add_special_tokens: bool = True
+) -> list[int]:
     if isinstance(prompt, str):
-        ids = encode_text(ctx.tokenizer, prompt, param)
+        ids = encode_text(ctx.tokenizer, prompt, param, add_special_tokens)
     else:
         ids = list(prompt)
         check_ids(ctx, ids, param)
@@ -47,12 +64,13 @@ class Job:
     prompt_ids: list[int]
     params: DecodingParams
     choice_offset: int
-    echo_text: str = ""  # completions with echo: the prompt text, sent before each choice
+    echo_text: str = ""  # echo: the prompt (chat: the message continued), before each choice
     constraint: Constraint | None = None  # structured outputs / forced tool calls
     grammar: Grammar | None = None  # its compiled form (`compile_constraints`)
     tool_plan: tools.ToolPlan | None = None  # chat with tools: how calls are read from replies
     echo_logprobs: int | None = None  # completions with echo + logprobs k: the prompt's, top k
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k, sent as its own field
+    return_token_ids: bool = False  # vLLM's: prompt and output token ids in the response
 
 
 def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
@@ -70,24 +88,78 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
             "prompt",
             "too_many_prompts",
         )
-    constraint = request_constraint(req)
+    constraint = _constraint(req)
+    max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     jobs = []
     for i, prompt in enumerate(prompts):
-        ids = tokenize_prompt(ctx, prompt, "prompt")
+        whole = tokenize_prompt(ctx, prompt, "prompt", req.add_special_tokens)
+        ids = truncate_prompt(ctx, req, whole, max_tokens)
         params = decoding_params(
             ctx,
             req,
             len(ids),
-            16 if req.max_tokens is None else req.max_tokens,
+            max_tokens,
             req.logprobs,
             prompt_logprobs=_prompt_logprobs(req.prompt_logprobs, req.logprobs, req.echo),
         )
-        echo = _echo_text(ctx, prompt, ids) if req.echo else ""
+        echo = _echo_text(ctx, prompt if ids is whole else ids, ids) if req.echo else ""
         job = Job(ids, params, i * req.n, echo, constraint)
         job.echo_logprobs = req.logprobs if req.echo else None
         job.prompt_logprobs = req.prompt_logprobs
+        job.return_token_ids = req.return_token_ids
         jobs.append(job)
     return jobs
+
+
+def truncate_prompt(
+    ctx: ServingContext, req: Request, ids: list[int], max_tokens: int | None
+) -> list[int]:
+    """vLLM's `truncate_prompt_tokens` k: the prompt's last k tokens (`truncation_side` "right":
+    its first k); -1: as many as leave room for max_tokens (when unset, for one token)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == 0 or k > ctx.max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 or between 1 and this model's maximum context "
+            f"length, {ctx.max_model_len} (got {k})",
+            "truncate_prompt_tokens",
+            "invalid_value",
+        )
+    if k == -1:
+        k = max(1, ctx.max_model_len - max(max_tokens or 1, 1))
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if req.truncation_side == "right" else ids[len(ids) - k :]
+
+
+def _constraint(req: Request) -> Constraint | None:
+    """The request's constraint; vLLM's older `guided_*` fields stand for `structured_outputs`
+    (one of them at most, and not with structured_outputs or response_format)."""
+    guided = [name for name in GUIDED_FIELDS if getattr(req, name) is not None]
+    if not guided:
+        return request_constraint(req)
+    name = guided[0]
+    other = guided[1:] or [
+        field
+        for field, given in (
+            ("structured_outputs", req.structured_outputs is not None),
+            (
+                "response_format",
+                req.response_format is not None and req.response_format.type != "text",
+            ),
+        )
+        if given
+    ]
+    if other:
+        raise bad_request(
+            f"give one constraint: {name} and {other[0]} cannot both be set",
+            other[0],
+            "conflicting_fields",
+        )
+    member = StructuredOutputs.model_validate({GUIDED_FIELDS[name]: getattr(req, name)})
+    constraint = request_constraint(req.model_copy(update={"structured_outputs": member}))
+    return dataclasses.replace(constraint, param=name) if constraint is not None else None
 
 
 def _prompt_logprobs(asked: int | None, logprobs: int | None, echo: bool) -> int | None:
@@ -110,29 +182,41 @@ def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     plan = tools.plan_tools(req, ctx.tokenizer.chat_template)
-    constraint = (
-        Constraint(plan.forced_spec, "tools") if plan.forced_spec else request_constraint(req)
-    )
-    ids = chat_prompt_ids(ctx, req, plan)
+    constraint = Constraint(plan.forced_spec, "tools") if plan.forced_spec else _constraint(req)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    ids = truncate_prompt(ctx, req, chat_prompt_ids(ctx, req, plan), max_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = decoding_params(
         ctx,
         req,
         len(ids),
-        req.max_completion_tokens or req.max_tokens,
+        max_tokens,
         logprobs,
         "top_logprobs",
         "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         prompt_logprobs=req.prompt_logprobs,
+        prompt_param="messages",
     )
     return Job(
         ids,
         params,
         0,
+        echo_text=_chat_echo(req),
         constraint=constraint,
         tool_plan=plan if plan.tools else None,
         prompt_logprobs=req.prompt_logprobs,
+        return_token_ids=req.return_token_ids,
     )
+
+
+def _chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message's text when it continues that
+    message (the assistant's, or any with add_generation_prompt false)."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    continues = last.role == "assistant" or not req.add_generation_prompt
+    return last.text() if continues else ""
 
 
 async def compile_constraints(ctx: ServingContext, jobs: list[Job]) -> None:
@@ -142,5 +226,8 @@ async def compile_constraints(ctx: ServingContext, jobs: list[Job]) -> None:
             job.grammar = await compile_constraint(ctx, job.constraint)
 
 
-def new_request_id(kind: str) -> str:
-    return new_id("chatcmpl" if kind == "chat" else "cmpl")
+def new_request_id(kind: str, client_id: str | None = None) -> str:
+    """The response's id: vLLM's `request_id` after the prefix when the client gives one (the
+    engine's own ids stay unique: responses.run_jobs)."""
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return f"{prefix}-{client_id}" if client_id else new_id(prefix)

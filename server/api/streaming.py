@@ -22,6 +22,7 @@ from server.api.protocol import (
 from server.api.responses import (
     PromptLogprobs,
     legacy_logprobs,
+    prompt_token_ids,
     run_jobs,
     usage_of,
     vllm_prompt_logprobs,
@@ -42,18 +43,31 @@ async def stream_events(
     include_usage: bool,
     make_chunk: ChunkMaker,
     first_chunks: Sequence[dict] = (),
+    continuous_usage: bool = False,
 ) -> AsyncGenerator[str, None]:
-    """SSE stream: a chunk per output with content, usage last when asked, then [DONE].
+    """SSE stream: a chunk per output with content, usage last when asked (in every chunk too
+    with vLLM's `continuous_usage_stats`), then [DONE].
 
     Sampled strategies stream each choice token by token (chunks carry the choice `index`); beam
     strategies and best_of know their answer only at the end and send each final choice whole.
+    Chat's opening chunks (`first_chunks`) come first, the first with the prompt's token ids when
+    the request asked for them (`return_token_ids`).
     """
-    for chunk in first_chunks:
-        yield sse(chunk)
+    tokens: dict[int, int] = {}  # per choice: its completion tokens so far
+    cached: dict[int, int] = {}  # per job: its prompt tokens found in the prefix cache
+
+    def usage() -> dict | None:
+        if not continuous_usage:
+            return None
+        return usage_of(jobs, sum(tokens.values()), sum(cached.values())).model_dump()
+
+    for i, chunk in enumerate(first_chunks):
+        if i == 0 and jobs[0].return_token_ids:
+            chunk = {**chunk, "prompt_token_ids": jobs[0].prompt_ids}
+        yield sse({**chunk, "usage": usage()} if include_usage else chunk)
     completion_tokens = 0
     failed = False
     started: set[int] = set()  # choices that sent their first chunk
-    cached: dict[int, int] = {}
     prompts: dict[int, PromptLogprobs] = {}  # per job: sent with its first output
     async with aclosing(run_jobs(ctx, request_id, jobs)) as outputs:
         async for job, out in outputs:
@@ -65,16 +79,19 @@ async def stream_events(
                 failed = True
                 break
             index = job.choice_offset + out.index
+            first = index not in started
             prefix, prompt = "", None
-            if index not in started:  # the echo and the prompt's logprobs open each choice
+            if first:  # the echo and the prompt's logprobs open each choice
                 started.add(index)
                 prefix, prompt = job.echo_text, prompts.get(id(job))
+            tokens[index] = out.completion_tokens
             if out.finished:
                 completion_tokens += out.completion_tokens
-            if out.text or out.finished or out.logprobs or prefix or prompt is not None:
-                chunk = make_chunk(ChunkInput(job, index, prefix, out, prompt))
+            ids = job.return_token_ids and bool(out.token_ids)  # their text may come later
+            if out.text or out.finished or out.logprobs or prefix or prompt is not None or ids:
+                chunk = make_chunk(ChunkInput(job, index, prefix, out, prompt, first))
                 if include_usage:
-                    chunk["usage"] = None
+                    chunk["usage"] = usage()
                 yield sse(chunk)
     if include_usage and not failed:
         final = make_chunk(None)
@@ -86,13 +103,15 @@ async def stream_events(
 @dataclass
 class ChunkInput:
     """One output of one choice, as a stream chunk needs it; the first of each choice also
-    carries the echo text and the job's prompt logprobs (when asked for)."""
+    carries the echo text and the job's prompt logprobs (when asked for); with
+    `return_token_ids` each carries its new token ids."""
 
     job: Job
     index: int
     prefix: str
     out: RequestOutput
     prompt: PromptLogprobs | None = None
+    first: bool = False  # the choice's first chunk (completions: it carries the prompt's ids)
 
 
 ChunkMaker = Callable[[ChunkInput | None], dict]  # None: the closing usage chunk
@@ -120,6 +139,8 @@ def completion_chunk_maker(ctx: ServingContext, request_id: str) -> ChunkMaker:
                     prompt_logprobs=vllm_prompt_logprobs(ctx, part.job, part.prompt),
                     beam_score=out.beam_score,
                     beam_group=out.beam_group,
+                    token_ids=out.token_ids if part.job.return_token_ids else None,
+                    prompt_token_ids=prompt_token_ids(part.job) if part.first else None,
                 ).model_dump()
             ]
         return {
@@ -153,7 +174,7 @@ def chat_chunk_maker(
         if part is None:
             return chunk([])
         index, out = part.index, part.out
-        text, reason, calls = out.text, out.finish_reason, None
+        text, reason, calls = part.prefix + out.text, out.finish_reason, None
         if tool_plan is not None:
             reply = replies.setdefault(index, tools.ReplyStream(tool_plan))
             text = reply.push(text)
@@ -184,6 +205,7 @@ def chat_chunk_maker(
                     logprobs=logprobs,
                     beam_score=out.beam_score,
                     beam_group=out.beam_group,
+                    token_ids=out.token_ids if part.job.return_token_ids else None,
                 )
             ]
         )

@@ -6,6 +6,7 @@ tokenizer.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,21 +98,52 @@ def tokenize(ctx: ServingContext, req: TokenizePromptRequest | TokenizeChatReque
 def _chat_ids(ctx: ServingContext, req: TokenizeChatRequest) -> list[int]:
     chat = ChatCompletionRequest.model_validate(
         req.model_dump(
-            include={"messages", "tools", "add_generation_prompt", "continue_final_message"},
+            include={
+                "messages",
+                "tools",
+                "add_generation_prompt",
+                "continue_final_message",
+                "add_special_tokens",
+            },
             exclude_unset=True,
             by_alias=True,
         )
     )
-    ids = chat_prompt_ids(ctx, chat, tools.plan_tools(chat, ctx.tokenizer.chat_template))
-    bos = ctx.tokenizer.bos_token_id
-    if req.add_special_tokens and adds_bos(ctx.tokenizer) and ids[:1] != [bos]:
-        ids = [bos, *ids]
-    return ids
+    return chat_prompt_ids(ctx, chat, tools.plan_tools(chat, ctx.tokenizer.chat_template))
+
+
+# apply_chat_template's own arguments, and the template's `messages`: not template variables a
+# request's chat_template_kwargs may set (a client's `chat_template` would run its own code)
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    - {"self", "kwargs"}
+    | {"messages"}
+)
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's extra chat template variables: `chat_template_kwargs`, and vLLM's meaning of
+    `reasoning_effort` (given as is, with enable_thinking unless the kwargs set it)."""
+    extra = dict(req.chat_template_kwargs or {})
+    for key in extra:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(
+                f"chat_template_kwargs may not set {key!r} (a field or argument of its own)",
+                f"chat_template_kwargs.{key}",
+                "invalid_value",
+            )
+    if req.reasoning_effort is not None:
+        extra["reasoning_effort"] = req.reasoning_effort
+        extra.setdefault("enable_thinking", req.reasoning_effort != "none")
+    return extra
 
 
 def chat_prompt_ids(
     ctx: ServingContext, req: ChatCompletionRequest, plan: tools.ToolPlan
 ) -> list[int]:
+    """The prompt ids of a chat request: its messages through the chat template (with its
+    documents and template variables), a BOS first when `add_special_tokens` asks and the
+    template put none there."""
     if ctx.tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     if req.continue_final_message:
@@ -127,14 +159,17 @@ def chat_prompt_ids(
                 "continue_final_message",
                 "conflicting_fields",
             )
+    extra = template_kwargs(req)
     try:
         ids = ctx.tokenizer.apply_chat_template(
             tools.template_messages(req, plan),
             tools=tools.template_tools(plan),
+            documents=req.documents,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message,
             tokenize=True,
             return_dict=False,
+            **extra,
         )
     except Exception as exc:  # template errors (e.g. role order) are the client's to fix
         raise bad_request(
@@ -142,7 +177,11 @@ def chat_prompt_ids(
         ) from exc
     if isinstance(ids, Mapping):  # a BatchEncoding, from versions that ignore return_dict
         ids = ids["input_ids"]
-    return list(ids)
+    prompt: list[int] = list(ids)  # type: ignore[arg-type]  # one conversation: one id list
+    bos = ctx.tokenizer.bos_token_id
+    if req.add_special_tokens and adds_bos(ctx.tokenizer) and prompt[:1] != [bos]:
+        prompt = [bos, *prompt]
+    return prompt
 
 
 def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> dict:

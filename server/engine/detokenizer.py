@@ -6,6 +6,10 @@ buffers incomplete byte sequences itself (one call per token, ~0.6 us; what vLLM
 tokenizers decode a short window of recent tokens and emit only text that is stable: when the
 window still ends in U+FFFD (an incomplete byte sequence) they wait for more tokens. Either way,
 `flush` surfaces whatever is still held back at the end of a sequence.
+
+Special tokens are left out of the text unless `skip_special_tokens` is False (vLLM's field of the
+same name); `spaces_between_special_tokens` reaches slow (sentencepiece) tokenizers only, as in
+vLLM: a fast tokenizer has no such option.
 """
 
 from __future__ import annotations
@@ -20,17 +24,25 @@ CONTEXT = 6  # earlier tokens decoded with the new ones, for leading-space rules
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], *, stream: bool = True
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: list[int],
+        *,
+        stream: bool = True,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         """`stream` False forces the windowed path (tests compare the two)."""
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.ids: list[int] = self._clean_context(list(prompt_ids[-CONTEXT:]))
         self.prefix_offset = 0
         self.read_offset = len(self.ids)  # ids before it have been turned into text
         self.text = ""
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream = (
-            DecodeStream(self.ids, skip_special_tokens=True)
+            DecodeStream(self.ids, skip_special_tokens=skip_special_tokens)
             if stream and self._backend is not None
             else None
         )
@@ -44,10 +56,9 @@ class IncrementalDetokenizer:
         return ids
 
     def _decode(self, ids: list[int]) -> str:
-        text = self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        return decode_text(
+            self.tokenizer, ids, self.skip_special_tokens, self.spaces_between_special_tokens
         )
-        return cast(str, text)  # one sequence of ids decodes to one string
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly stable text (possibly empty)."""
@@ -78,3 +89,19 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += new
         return new
+
+
+def decode_text(
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> str:
+    """Output ids as text, as a request's fields ask (a fast tokenizer ignores the spacing)."""
+    text = tokenizer.decode(
+        ids,
+        skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens,
+        clean_up_tokenization_spaces=False,
+    )
+    return cast(str, text)  # one sequence of ids decodes to one string

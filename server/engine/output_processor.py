@@ -17,7 +17,7 @@ from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from decoding import rank_samples
+from decoding import DecodingParams, rank_samples
 from decoding.stopping import find_stop, holdback
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.request import (
@@ -93,13 +93,18 @@ class OutputProcessor:
 
     def _render(self, seq: Sequence, position: int, reason: str | None) -> str | None:
         """A stop string ends the row (as "stop") even where the token ended it by length;
-        a finishing token itself is never text."""
+        a finishing token is text only with `include_stop_str_in_output` (as in vLLM)."""
         text = self._text(seq)
-        if text is None or reason == "stop":
+        if text is None:
             return reason
         req, params, token = seq.request, seq.request.params, seq.token_ids[position]
+        if reason == "stop":
+            if params.include_stop_str_in_output:
+                text.detok.push(token)
+            return reason
         text.detok.push(token)
-        if params.stop and _hit_stop_string(text, params.stop):
+        count = position + 1 - seq.prompt_len
+        if params.stop and _hit_stop_string(text, params, count):
             _drop_after(seq, position)
             return "stop"
         if reason is None:
@@ -107,7 +112,6 @@ class OutputProcessor:
             delta = ""
             if ready > text.sent:
                 delta, text.sent = text.detok.text[text.sent : ready], ready
-            count = position + 1 - seq.prompt_len
             logprobs = seq.logprobs[count - 1 : count] or None
             _emit(req, seq.index, delta, [token], None, count, logprobs)
         return reason
@@ -135,13 +139,20 @@ class OutputProcessor:
 
     def emit_choices(self, req: EngineRequest, choices: list[FinalChoice]) -> None:
         """Send whole choices at once (beams, best_of), applying stop strings to each."""
+        params = req.params
         for index, choice in enumerate(choices):
             token_ids, reason = choice.token_ids, choice.finish_reason
-            text = cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
-            cut = find_stop(text, req.params.stop) if req.params.stop else None
-            if cut is not None:
-                text, reason = text[:cut], "stop"
-            elif token_ids and token_ids[-1] in req.finishing_ids:
+            finished = bool(token_ids) and token_ids[-1] in req.finishing_ids
+            cut_last = finished and not params.include_stop_str_in_output
+            shown = token_ids[:-1] if cut_last else token_ids
+            text = self._decode(params, shown)
+            searched = (
+                len(self._decode(params, shown[: params.min_tokens])) if params.min_tokens else 0
+            )
+            stop = find_stop(text, params.stop, searched) if params.stop else None
+            if stop is not None:
+                text, reason = text[: _stop_end(stop, params)], "stop"
+            elif finished:
                 reason = "stop"
             done = index == len(choices) - 1
             _emit(
@@ -155,6 +166,14 @@ class OutputProcessor:
                 request_done=done,
                 beam=(choice.score, choice.group),
             )
+
+    def _decode(self, params: DecodingParams, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+        return cast(str, text)  # one sequence of ids decodes to one string
 
     def emit_best_samples(self, req: EngineRequest) -> None:
         """best_of: every sample is in; send the n most likely (raw cumulative logprob)."""
@@ -176,7 +195,13 @@ class OutputProcessor:
     def _text(self, seq: Sequence) -> SequenceText | None:
         """The row's streaming text state, made at its first token (rows of streaming requests)."""
         if seq.text is None and seq.request.streams:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.request.prompt_ids)
+            params = seq.request.params
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                seq.request.prompt_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
             seq.text = SequenceText(detok)
         return seq.text
 
@@ -192,15 +217,25 @@ def _drop_after(seq: Sequence, position: int) -> None:
         seq.request.generated_tokens -= dropped  # what its usage and metrics report
 
 
-def _hit_stop_string(text: SequenceText, stops: tuple[str, ...]) -> bool:
-    """True (and the text cut before it) once a stop string appears in the generated text."""
-    cut = find_stop(text.detok.text, stops, text.stop_checked)
-    text.stop_checked = max(0, len(text.detok.text) - holdback(stops))
-    if cut is None:
+def _hit_stop_string(text: SequenceText, params: DecodingParams, count: int) -> bool:
+    """True (and the text cut before it, or after it with `include_stop_str_in_output`) once
+    a stop string appears in the generated text. Before `min_tokens` tokens none is looked for,
+    and what those tokens said is never searched again (as in vLLM)."""
+    stop = None
+    if count > params.min_tokens:
+        stop = find_stop(text.detok.text, params.stop, text.stop_checked)
+    text.stop_checked = len(text.detok.text)
+    if stop is None:
         return False
-    text.detok.text = text.detok.text[:cut]
+    text.detok.text = text.detok.text[: _stop_end(stop, params)]
     text.cut = True
     return True
+
+
+def _stop_end(stop: tuple[int, str], params: DecodingParams) -> int:
+    """Where the text ends at a stop string: before it, or after it when the request keeps it."""
+    start, string = stop
+    return start + len(string) if params.include_stop_str_in_output else start
 
 
 def _emit(

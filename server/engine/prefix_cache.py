@@ -1,8 +1,10 @@
 """Prefix caching: a request reuses the KV blocks of a prompt prefix that another one computed.
 
 A full block is identified by a chained hash, sha256(parent block's hash + the block's token ids),
-so two blocks match only when everything before them matches too. A strong hash makes a collision
-(which would silently serve wrong keys/values) practically impossible, without keeping the tokens.
+so two blocks match only when everything before them matches too. A request's `cache_salt` (vLLM's
+field) is the parent of its first block: only requests with the same salt share blocks. A strong
+hash makes a collision (which would silently serve wrong keys/values) practically impossible,
+without keeping the tokens.
 The hashes of a row's blocks are kept on its `Sequence` (forks copy them), each computed once.
 
 The pool keeps the hash -> block map and the evictable blocks (block_pool.py); this module decides
@@ -19,7 +21,14 @@ from collections.abc import Sequence as Tokens
 from server.engine.block_pool import BlockPool
 from server.engine.request import Sequence
 
-ROOT_HASH = b""  # parent of a sequence's first block
+ROOT_HASH = b""  # parent of a sequence's first block (unsalted)
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first block: ROOT_HASH, or its request's salt's own."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest()
 
 
 def hash_block(parent: bytes, tokens: Tokens[int]) -> bytes:
@@ -37,7 +46,7 @@ class PrefixCache:
         bs = self.pool.block_size
         while len(hashes) <= index:
             i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(seq.request.cache_salt)
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[index]
 

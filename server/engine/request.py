@@ -194,6 +194,16 @@ class EngineRequest:
         return self.params.width
 
     @property
+    def priority(self) -> int:
+        """Its place in the waiting queue: lowest first (scheduler.enqueue)."""
+        return self.params.priority
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Prefix-cache blocks are shared only with requests of the same salt (prefix_cache.py)."""
+        return self.params.cache_salt
+
+    @property
     def unscored_from(self) -> int | None:
         """The first prompt position whose hidden state prompt logprobs still need (its logits
         score the token after it); None when nothing is left to score. Tokens before it may come

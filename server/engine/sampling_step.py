@@ -153,7 +153,8 @@ def choose_on_device(
     params = [s.request.params for s in rows]
     vocab = logits.shape[-1]
     mask, mask_seconds = None, None
-    if any(s.constraint is not None for s in rows):
+    allowed = [p.allowed_token_ids for p in params]
+    if any(s.constraint is not None for s in rows) or any(allowed):
         start = time.perf_counter()
         mask = build_constraint_mask(
             [s.constraint for s in rows],
@@ -161,6 +162,7 @@ def choose_on_device(
             eos_ids,
             vocab,
             logits.device,
+            allowed,
         )
         mask_seconds = time.perf_counter() - start
     tensors = SamplingTensors.from_rows(

@@ -6,8 +6,9 @@ Running requests go first (oldest first), each row taking one decode token or it
 chunk, under a per-step token budget so a long prompt never stalls everyone else. When a request's
 rows cannot all finish their pending tokens in this step, each row stops one token short so they
 all sample together later. Waiting requests join while the budget, the row cap and the KV pool
-allow. When the pool cannot hold the running set, the youngest running request is preempted: its
-blocks are freed and it is recomputed later.
+allow, lowest `priority` first, then in arrival order. When the pool cannot hold the running set,
+the youngest running request is preempted (whatever its priority): its blocks are freed and it is
+recomputed later.
 
 With speculation (speculation.py), a running row that decodes may add draft tokens after its own,
 from the budget and the free blocks that remain once every running and admitted row has its
@@ -58,6 +59,22 @@ def plan_rows(rows: list[Sequence], budget: int) -> list[WorkItem[Sequence]]:
     return items
 
 
+def enqueue(waiting: deque[EngineRequest], request: EngineRequest, preempted: bool = False) -> None:
+    """Waiting requests start lowest `priority` first (vLLM's meaning; 0 by default), in arrival
+    order within a priority: a new request goes after every waiting one not above it, a
+    preempted one (it arrived before them) before every one not below it."""
+    priority = request.priority
+    if not preempted and (not waiting or waiting[-1].priority <= priority):
+        waiting.append(request)  # the common case: no priorities
+        return
+    behind = (
+        (i for i, w in enumerate(waiting) if w.priority >= priority)
+        if preempted
+        else (i for i, w in enumerate(waiting) if w.priority > priority)
+    )
+    waiting.insert(next(behind, len(waiting)), request)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -76,7 +93,7 @@ class Scheduler:
         self.running: list[EngineRequest] = []
 
     def add(self, request: EngineRequest) -> None:
-        self.waiting.append(request)
+        enqueue(self.waiting, request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -128,7 +145,7 @@ class Scheduler:
         for seq in request.rows:
             self.pool.release(seq.block_table)
             seq.num_computed = 0
-        self.waiting.appendleft(request)
+        enqueue(self.waiting, request, preempted=True)
         plan.preempted.append(request)
 
     def schedule(self, speculate: bool = True) -> StepPlan:
