@@ -567,11 +567,13 @@ CHAT_CASES = [
         "context_length_exceeded",
         path=CHAT,
     ),
-    case(
+    case(  # as OpenAI: a user message needs content (an assistant's may be tool_calls only)
         "chat-content-null",
         "chat",
         chat(messages=[{"role": "user", "content": None}]),
-        200,
+        400,
+        "messages.0.content",
+        "missing_required_parameter",
         path=CHAT,
     ),
     case(
@@ -703,7 +705,16 @@ RAW_BODIES = [
 ]
 
 CONTENT_TYPES = [
-    case("ct-text-plain", "content_types", encode(comp()), 400, content_type="text/plain"),
+    # read as JSON whatever a simple client says it sent (as OpenAI's API reads it)
+    case("ct-text-plain", "content_types", encode(comp()), 200, content_type="text/plain"),
+    case(
+        "ct-form-json",
+        "content_types",
+        encode(comp()),
+        200,
+        content_type="application/x-www-form-urlencoded",
+    ),  # curl -d without -H
+    case("ct-none-json", "content_types", encode(comp()), 200, content_type=None),
     case(
         "ct-form",
         "content_types",

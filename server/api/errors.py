@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decoding import DecodingParamsError
 from server.api.extension_fields import refused
+from server.api.middleware import SENT_CONTENT_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 MAX_PARAM_CHARS = 200
+MAX_PROBLEMS = 10  # validation problems named in one message
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+# pydantic's errors of a body that is no object (JSON of another kind, or not read as JSON)
+_NOT_AN_OBJECT = frozenset({"model_type", "model_attributes_type", "dict_type"})
+# pydantic error types that are already the code a client should see
+_CODES = {
+    "extra_forbidden": "unknown_field",
+    "missing_required_parameter": "missing_required_parameter",
+}
 
 
 def _loc_to_param(loc: tuple) -> str | None:
@@ -82,7 +91,70 @@ def _loc_to_param(loc: tuple) -> str | None:
         for p in loc
         if isinstance(p, int) or (_FIELD_NAME.fullmatch(p) and p not in _TYPE_TAGS)
     ]
-    return ".".join(p for p in parts if p != "body") or None
+    param = ".".join(p for p in parts if p != "body") or None
+    if param is not None and len(param) > MAX_PARAM_CHARS:  # never echo a huge key back
+        param = param[:MAX_PARAM_CHARS] + "..."
+    return param
+
+
+def validation_error(exc: RequestValidationError, sent_content_type: str | None) -> APIError:
+    """A 400 naming every problem of the body (up to MAX_PROBLEMS), `param` the first one's
+    field. `sent_content_type`: the Content-Type of a body read as JSON though it was sent as
+    something else (middleware.JSONBodyMiddleware), named when the body is no JSON object."""
+    errors: list[dict[str, Any]] = list(exc.errors()) or [{"loc": (), "msg": "invalid request"}]
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return _invalid_json(first, exc.body, sent_content_type)
+    problems = [_problem(e) for e in errors]
+    param, code = problems[0][0], problems[0][1]
+    if param is None and first.get("type") in _NOT_AN_OBJECT:
+        message = "the request body must be a JSON object"
+        if sent_content_type:
+            message += (
+                f", sent with Content-Type: application/json (it was sent as {sent_content_type})"
+            )
+        return bad_request(message, None, code)
+    shown = [text for _, _, text in problems[:MAX_PROBLEMS]]
+    more = len(problems) - len(shown)
+    message = "; ".join(shown) + (f"; and {more} more" if more else "")
+    if len(problems) > 1:
+        message = f"{len(problems)} problems: {message}"
+    return bad_request(message, param, code)
+
+
+def _problem(error: dict[str, Any]) -> tuple[str | None, str, str]:
+    """(param, code, message) of one validation error."""
+    param = _loc_to_param(tuple(error.get("loc", ())))
+    code = _CODES.get(error.get("type", ""), "invalid_value")
+    if code == "unknown_field":
+        entry = refused(param or "")
+        if entry is not None:
+            return param, "unsupported", f"{param} is not supported by this server: {entry.meaning}"
+        message = (
+            f"unknown field {param!r}: this server does not implement it (fields that change "
+            "nothing here are accepted; see README, Request fields)"
+        )
+        return param, code, message
+    return param, code, f"{param}: {error['msg']}" if param else str(error["msg"])
+
+
+def _invalid_json(error: dict[str, Any], body: Any, sent_content_type: str | None) -> APIError:
+    """JSON that does not parse: where (line, column and the text around it) and why."""
+    reason = (error.get("ctx") or {}).get("error", "invalid JSON")
+    message = f"request body is not valid JSON: {reason}"
+    position = error.get("loc", ())[-1:]
+    if isinstance(body, str) and position and isinstance(position[0], int):
+        pos = position[0]
+        line = body.count("\n", 0, pos) + 1
+        column = pos - (body.rfind("\n", 0, pos) + 1) + 1
+        excerpt = body[max(0, pos - 20) : pos + 20]
+        message += f" at line {line}, column {column} (near {excerpt!r})"
+    if sent_content_type is not None:
+        message += (
+            f"; the body was sent as Content-Type: {sent_content_type}: send a JSON object "
+            "with Content-Type: application/json"
+        )
+    return bad_request(message, code="invalid_json")
 
 
 def install_error_handlers(
@@ -102,33 +174,12 @@ def install_error_handlers(
         return bad_request(exc.message, param=exc.field, code="invalid_value").response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         on_client_error()
-        errors = exc.errors()
-        first: dict[str, Any] = (
-            errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-        )
-        if first.get("type") == "json_invalid":
-            return bad_request("request body is not valid JSON", code="invalid_json").response()
-        param = _loc_to_param(tuple(first.get("loc", ())))
-        code = "invalid_value"
-        if param is not None and len(param) > MAX_PARAM_CHARS:  # never echo a huge key back
-            param = param[:MAX_PARAM_CHARS] + "..."
-        entry = refused(param or "") if first.get("type") == "extra_forbidden" else None
-        if entry is not None:
-            code = "unsupported"
-            message = f"{param} is not supported by this server: {entry.meaning}"
-        elif first.get("type") == "extra_forbidden":
-            code = "unknown_field"
-            message = (
-                f"unknown field {param!r}: this server does not implement it (fields that change "
-                "nothing here are accepted; see README, Request fields)"
-            )
-        else:
-            message = f"{param}: {first['msg']}" if param else first["msg"]
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problem(s))"
-        return bad_request(message, param=param, code=code).response()
+        sent = request.scope.get(SENT_CONTENT_TYPE)  # read as JSON though sent as this
+        if sent is None and "json" not in request.headers.get("content-type", "json"):
+            sent = request.headers["content-type"]  # not read as JSON at all (multipart, ...)
+        return validation_error(exc, sent).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -6,7 +6,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from server.api.openai_model import OpenAIModel, TokenIds
 from server.api.vllm_fields import VLLMChatFields, VLLMCompletionFields
@@ -179,10 +180,27 @@ class ToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
+    # after role and tool_calls: whether it may be left out depends on them
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_tool_calls(cls, content: object, info: ValidationInfo) -> object:
+        """As OpenAI: every message has content ("" counts), except an assistant's that carries
+        tool calls."""
+        role = info.data.get("role")
+        calls = role == "assistant" and info.data.get("tool_calls")
+        if content is not None or role is None or calls:
+            return content
+        need = "content or tool_calls" if role == "assistant" else "content"
+        raise PydanticCustomError(
+            "missing_required_parameter",
+            "{article} {role} message needs {need} (a string, empty allowed, or text parts)",
+            {"article": "an" if role == "assistant" else "a", "role": role, "need": need},
+        )
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
