@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from server.api.sampling_defaults import describe, read_sampling_defaults
 from server.api.serving import ServingContext
 from server.config import ServerConfig, with_device_defaults
 from server.engine.async_engine import AsyncEngine
@@ -56,7 +57,9 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         vocab_size=vocab_size,
         config=config,
         metrics=metrics,
+        model_sampling_defaults=read_sampling_defaults(model_dir),
     )
+    log.info(describe(ctx.model_sampling_defaults, config.generation_config_defaults))
     started = time.monotonic()
     ctx.grammars.prepare()  # structured outputs' first request must not wait for this
     log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)

@@ -196,6 +196,26 @@ class ServerConfig(BaseModel):
         "score: the LM head runs on every prompt position",
     )
     max_stop_sequences: int = Field(16, ge=0, description="most stop strings per request")
+    default_max_tokens: int = Field(
+        4096,
+        ge=0,
+        description="max_tokens of a chat request that sets none (max_completion_tokens too), "
+        "within the rest of the context; 0 = the rest of the context. Completions keep OpenAI's "
+        "16",
+    )
+    max_tokens_limit: int = Field(
+        0,
+        ge=0,
+        description="largest max_tokens (or max_completion_tokens) a request may ask for, 400 "
+        "beyond; 0 = no limit but the context",
+    )
+    generation_config_defaults: bool = Field(
+        True,
+        description="apply the sampling defaults of the model's generation_config.json "
+        "(temperature, top_p, top_k, repetition_penalty, min_p) to the fields a request leaves "
+        "unset, as vLLM's --generation-config auto does; off: the API's own defaults (vLLM's "
+        "--generation-config vllm)",
+    )
     max_prompts_per_request: int = Field(16, ge=1, description="most prompts per completion")
     max_grammar_bytes: int = Field(
         256 * 1024, ge=1, description="largest schema / regex / grammar a request may send"
@@ -254,6 +274,15 @@ class ServerConfig(BaseModel):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= the "
                 f"widest request allowed ({widest}: max_n / max_best_of / max_num_beams)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _default_max_tokens_within_the_limit(self) -> ServerConfig:
+        if 0 < self.max_tokens_limit < self.default_max_tokens:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) must be <= max_tokens_limit "
+                f"({self.max_tokens_limit}) when both are set"
             )
         return self
 

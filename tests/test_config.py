@@ -89,7 +89,8 @@ def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
         "--drain-timeout", "--api-key", "--api-key-file", "--public-path",
         "--cors-allow-origin", "--max-body-bytes", "--max-header-bytes", "--log-level",
         "--log-format", "--grammar-cache-size", "--grammar-compile-timeout", "--playground",
-        "--no-playground", "--responses-store-size",
+        "--no-playground", "--responses-store-size", "--default-max-tokens", "--max-tokens-limit",
+        "--generation-config-defaults", "--no-generation-config-defaults",
     }  # fmt: skip
     dests = {a.dest for a in serve_parser()._actions} - {"help", "config"}
     assert dests == set(ServerConfig.model_fields) - CONFIG_ONLY_KEYS

@@ -1,16 +1,26 @@
-"""Errors that say what to fix: every problem, JSON positions, Content-Type, prompts too long for
-the context, messages without content."""
+"""Errors that say what to fix (every problem, JSON positions, Content-Type, prompts too long for
+the context, messages without content), the server's max_tokens default and cap, and the model's
+own sampling defaults (generation_config.json)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from server.api.errors import MAX_PROBLEMS
+from decoding import DecodingParams
+from server.api.app import create_app
+from server.api.errors import MAX_PROBLEMS, APIError
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.api.request_params import decoding_params
+from server.api.sampling_defaults import read_sampling_defaults
 from server.api.serving import ServingContext
+from server.config import ConfigError, ServerConfig, load_config
+from server.engine.client import KVCapacity
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -126,3 +136,92 @@ async def test_a_prompt_longer_than_the_context_names_the_prompt(
     err = error_of(await client.post(COMP, json={"prompt": "Hi", "max_tokens": 5000}))
     assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
     assert "at most" in err["message"]
+
+
+# ---- max_tokens: the server's default and cap ----------------------------------------------------
+def context(defaults: dict[str, Any] | None = None, **config: Any) -> ServingContext:
+    engine = SimpleNamespace(
+        kv_capacity=KVCapacity(num_blocks=256, block_size=16), eos_token_ids=frozenset({2})
+    )
+    return ServingContext(
+        engine=engine,  # type: ignore[arg-type]
+        tokenizer=None,  # type: ignore[arg-type]
+        model_name="m",
+        max_model_len=512,
+        vocab_size=1000,
+        config=ServerConfig(**config),
+        model_sampling_defaults=defaults or {},
+    )
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [USER], **fields})
+
+
+def test_a_chat_request_without_max_tokens_gets_the_servers_default() -> None:
+    assert decoding_params(context(default_max_tokens=8), chat(), 10, None, None).max_tokens == 8
+    rest = decoding_params(context(default_max_tokens=0), chat(), 10, None, None)
+    assert rest.max_tokens == 502  # 0: the rest of the context
+    room = decoding_params(context(default_max_tokens=4096), chat(), 10, None, None)
+    assert room.max_tokens == 502  # within the context
+
+
+def test_max_tokens_above_the_limit_is_a_400_naming_the_field() -> None:
+    ctx = context(max_tokens_limit=50, default_max_tokens=20)
+    assert decoding_params(ctx, chat(max_tokens=50), 10, 50, None).max_tokens == 50
+    assert decoding_params(ctx, chat(), 10, None, None).max_tokens == 20
+    for param in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(APIError) as caught:
+            decoding_params(ctx, chat(**{param: 51}), 10, 51, None, max_tokens_param=param)
+        assert (caught.value.param, caught.value.code) == (param, "above_limit")
+
+
+def test_the_default_may_not_exceed_the_limit() -> None:
+    with pytest.raises(ConfigError, match="default_max_tokens"):
+        load_config(None, {"default_max_tokens": 100, "max_tokens_limit": 50}, environ={})
+    assert load_config(None, {"default_max_tokens": 0, "max_tokens_limit": 50}, environ={})
+
+
+# ---- the model's sampling defaults ---------------------------------------------------------------
+def test_the_sampling_defaults_are_read_from_generation_config(tmp_path: Path) -> None:
+    config = {
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 1.5,  # not a valid top_p: left out
+        "min_p": 0.05,
+        "do_sample": True,
+        "max_new_tokens": 100,
+        "eos_token_id": [1, 106],
+    }
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    assert read_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_k": 20, "min_p": 0.05}
+    assert read_sampling_defaults(tmp_path / "missing") == {}
+
+
+def test_sampling_defaults_apply_only_to_fields_a_request_leaves_unset() -> None:
+    defaults = {"temperature": 0.5, "top_k": 7, "repetition_penalty": 1.3}
+    ctx = context(defaults)
+    req = CompletionRequest.model_validate(
+        {"prompt": "x", "temperature": 1.0, "top_k": 0, "top_p": None}
+    )
+    params = decoding_params(ctx, req, 4, 16, None)
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (1.0, 0, 1.3)
+    bare = decoding_params(ctx, CompletionRequest(prompt="x"), 4, 16, None)
+    assert (bare.temperature, bare.top_k, bare.repetition_penalty) == (0.5, 7, 1.3)
+    off = decoding_params(context(defaults, generation_config_defaults=False), chat(), 4, 16, None)
+    assert off == DecodingParams(max_tokens=16)
+
+
+async def test_models_route_says_which_sampling_defaults_apply(
+    tiny_ctx: ServingContext,
+) -> None:
+    tiny_ctx.model_sampling_defaults = {"top_k": 40}
+    for applied in (True, False):
+        tiny_ctx.config = ServerConfig(generation_config_defaults=applied)
+        app = create_app(ctx=tiny_ctx)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            (card,) = (await c.get("/v1/models")).json()["data"]
+            assert card["sampling_defaults"] == ({"top_k": 40} if applied else {})
+            r = await c.post(COMP, json={"prompt": "Hi", "max_tokens": 1})
+            assert r.status_code == 200

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -21,6 +22,8 @@ class ServingContext:
     vocab_size: int
     config: ServerConfig
     metrics: Metrics | None = None
+    # the sampling fields the model's generation_config.json sets (sampling_defaults.py)
+    model_sampling_defaults: dict[str, Any] = field(default_factory=dict)
     grammars: GrammarService = field(init=False)  # structured outputs' compiles and cache
 
     def __post_init__(self) -> None:
@@ -32,3 +35,9 @@ class ServingContext:
             timeout_s=self.config.grammar_compile_timeout,
             metrics=self.metrics,
         )
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's sampling defaults that apply to fields a request leaves unset: all of
+        them, or none when the server is told not to (`generation_config_defaults` false)."""
+        return self.model_sampling_defaults if self.config.generation_config_defaults else {}

@@ -4,7 +4,7 @@ such as the playground page sizes its controls from them)."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -28,6 +28,8 @@ class ModelCard(BaseModel):
     owned_by: str = "beamline"
     max_model_len: int | None = None
     limits: ServerLimits | None = None
+    # the model's sampling defaults that apply to fields a request leaves unset (empty: none)
+    sampling_defaults: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):
@@ -39,5 +41,12 @@ def model_list(ctx: ServingContext) -> ModelList:
     cfg = ctx.config
     limits = ServerLimits(**{name: getattr(cfg, name) for name in ServerLimits.model_fields})
     return ModelList(
-        data=[ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len, limits=limits)]
+        data=[
+            ModelCard(
+                id=ctx.model_name,
+                max_model_len=ctx.max_model_len,
+                limits=limits,
+                sampling_defaults=ctx.sampling_defaults,
+            )
+        ]
     )

@@ -1,7 +1,9 @@
 """A request body's decoding fields -> DecodingParams, with the limits this server sets.
 
 Every DecodingParams field is a request field of the same name and default, passed as is, except
-the ones in CONVERTED_FIELDS (tests/test_request_params.py holds both sides to that).
+the ones in CONVERTED_FIELDS (tests/test_request_params.py holds both sides to that). Fields a
+request leaves unset take the model's sampling defaults (generation_config.json) when the server
+applies them (`generation_config_defaults`), as vLLM does.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ Request = CompletionRequest | ChatCompletionRequest
 
 # DecodingParams fields that the request carries in another shape, and how each is converted.
 CONVERTED_FIELDS: dict[str, str] = {
-    "max_tokens": "chat: max_completion_tokens, else max_tokens, else the rest of the context "
-    "that the KV pool holds for every row; completions: max_tokens, else 16 (OpenAI's default)",
+    "max_tokens": "chat: max_completion_tokens, else max_tokens, else default_max_tokens (config; "
+    "0: no default) within the rest of the context that the KV pool holds for every row; "
+    "completions: max_tokens, else 16 (OpenAI's default)",
     "stop": "one string or a list of strings -> a tuple",
     "stop_token_ids": "a list or null -> a tuple",
     "logit_bias": "string keys -> token ids, null -> {}",
@@ -46,12 +49,14 @@ def decoding_params(
     prompt_param: str = "prompt",
 ) -> DecodingParams:
     """Build DecodingParams; limits that depend on the server (context, caps) are checked here.
-    `max_tokens` None: the rest of the context.
+    `max_tokens` None: the server's default (`default_max_tokens`, within the context).
 
     Invalid values raise DecodingParamsError, which the app answers with a 400 naming the field.
     """
     stops = req.stop_list()
-    _check_server_limits(ctx, req, len(stops), logprobs, logprobs_param)
+    _check_server_limits(
+        ctx, req, len(stops), (logprobs_param, logprobs), (max_tokens_param, max_tokens)
+    )
     _check_scoring(ctx, prompt_len, prompt_logprobs)
     values = _request_values(ctx, req)
     width = request_width(values["n"], values["best_of"], values["num_beams"])
@@ -73,10 +78,12 @@ def decoding_params(
 
 
 def _request_values(ctx: ServingContext, req: Request) -> dict[str, Any]:
-    """The fields passed as is: the request's, and vLLM's `use_beam_search` as beam search of
-    width n (greedy at n 1)."""
+    """The fields passed as is: the request's, the model's defaults for the sampling fields it
+    left unset (pydantic's `model_fields_set`: an explicit null counts as unset, as in vLLM),
+    and vLLM's `use_beam_search` as beam search of width n (greedy at n 1)."""
     values = {name: getattr(req, name) for name in PASSED_AS_IS}
     given = req.model_fields_set
+    values.update({k: v for k, v in ctx.sampling_defaults.items() if k not in given})
     if req.use_beam_search:
         if "num_beams" not in given:
             values["num_beams"] = req.n
@@ -93,8 +100,8 @@ def _max_tokens(
     max_tokens_param: str,
     prompt_param: str,
 ) -> int:
-    """The request's max_tokens, or the room the context and the KV pool leave; a prompt that
-    leaves no room names the prompt, a max_tokens beyond it names it."""
+    """The request's max_tokens, or the server's default within the room the context and the KV
+    pool leave; a prompt that leaves no room names the prompt, a max_tokens beyond it names it."""
     room = ctx.max_model_len - prompt_len
     if room < 0 or (room < 1 and max_tokens != 0):  # 0 only scores the prompt
         raise bad_request(
@@ -105,8 +112,9 @@ def _max_tokens(
             "context_length_exceeded",
         )
     if max_tokens is None:
+        default = ctx.config.default_max_tokens or room
         per_row = ctx.engine.kv_capacity.tokens_per_row(width) - prompt_len
-        return max(1, min(room, per_row))  # _check_fits_kv_pool names what is too big
+        return max(1, min(room, default, per_row))  # _check_fits_kv_pool names what is too big
     if max_tokens > room:
         raise bad_request(
             f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
@@ -122,10 +130,11 @@ def _check_server_limits(
     ctx: ServingContext,
     req: Request,
     num_stops: int,
-    logprobs: int | None,
-    logprobs_param: str,
+    logprobs: tuple[str, int | None],
+    max_tokens: tuple[str, int | None],
 ) -> None:
-    """The request's sizes against the server's caps (400 above_limit), before anything else."""
+    """The request's sizes against the server's caps (400 above_limit), before anything else;
+    `logprobs` and `max_tokens` are (the field's name in this request, its value)."""
     cfg = ctx.config
     if num_stops > cfg.max_stop_sequences:
         raise bad_request(
@@ -135,10 +144,11 @@ def _check_server_limits(
         ("n", req.n, cfg.max_n),
         ("best_of", req.best_of or 1, cfg.max_best_of),
         ("num_beams", req.num_beams, cfg.max_num_beams),
-        (logprobs_param, logprobs or 0, cfg.max_logprobs),
+        (logprobs[0], logprobs[1] or 0, cfg.max_logprobs),
         ("prompt_logprobs", req.prompt_logprobs or 0, cfg.max_logprobs),
+        (max_tokens[0], max_tokens[1] or 0, cfg.max_tokens_limit or None),
     ):
-        if value > cap:
+        if cap is not None and value > cap:
             raise bad_request(
                 f"{name} must be <= {cap} on this server (got {value})", name, "above_limit"
             )

@@ -115,7 +115,7 @@ def truncate_prompt(
     ctx: ServingContext, req: Request, ids: list[int], max_tokens: int | None
 ) -> list[int]:
     """vLLM's `truncate_prompt_tokens` k: the prompt's last k tokens (`truncation_side` "right":
-    its first k); -1: as many as leave room for max_tokens (when unset, for one token)."""
+    its first k); -1: as many as leave room for max_tokens (when unset, the server's default)."""
     k = req.truncate_prompt_tokens
     if k is None:
         return ids
@@ -127,7 +127,8 @@ def truncate_prompt(
             "invalid_value",
         )
     if k == -1:
-        k = max(1, ctx.max_model_len - max(max_tokens or 1, 1))
+        reserve = max_tokens if max_tokens is not None else ctx.config.default_max_tokens
+        k = max(1, ctx.max_model_len - max(reserve, 1))
     if len(ids) <= k:
         return ids
     return ids[:k] if req.truncation_side == "right" else ids[len(ids) - k :]
