@@ -24,7 +24,6 @@ keys the others add). `not` and `if` are conditions, not values: they are left a
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 INTEGER_BOUND = 10**18 - 1  # llguidance reads bounds as doubles: 10**18, 19 digits, < 2**63
@@ -38,15 +37,21 @@ INTERSECTED = ("then", "else")  # applied with their parent, as allOf branches a
 
 
 def as_clients_mean(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
-    """A copy of `schema` with closed objects and bounded numbers (see the module docstring)."""
-    out = copy.deepcopy(schema)
-    _read(out, in_all_of=False)
+    """A copy of `schema` with closed objects and bounded numbers (see the module docstring).
+    Iterative, never recursive: a request may nest a schema thousands of levels deep, and the
+    grammar compiler, not a RecursionError here, is what refuses it."""
+    out = _copy(schema)
+    todo: list[tuple[object, bool]] = [(out, False)]  # (subschema, inside an allOf branch)
+    while todo:
+        node, in_all_of = todo.pop()
+        if isinstance(node, dict):
+            _read(node, in_all_of)
+            todo.extend(_children(node))
     return out
 
 
-def _read(node: object, in_all_of: bool) -> None:
-    if not isinstance(node, dict):
-        return
+def _read(node: dict[str, Any], in_all_of: bool) -> None:
+    """Close the object and bound the number that `node` describes, where it leaves them open."""
     types = node.get("type")
     types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
     is_object = "object" in types or "properties" in node
@@ -60,22 +65,42 @@ def _read(node: object, in_all_of: bool) -> None:
             node.setdefault("multipleOf", NUMBER_STEP)
         elif "integer" in types:
             _bound(node, INTEGER_BOUND)
+
+
+def _children(node: dict[str, Any]) -> list[tuple[object, bool]]:
+    """`node`'s subschemas, each with whether it is intersected with its siblings."""
+    found: list[tuple[object, bool]] = []
     for key in SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
-            for child in node[key].values():
-                _read(child, in_all_of=False)
+            found += [(child, False) for child in node[key].values()]
     for key in SCHEMA_LISTS:
         if isinstance(node.get(key), list):
-            for child in node[key]:
-                _read(child, in_all_of=False)
-    for child in node.get("allOf", []) if isinstance(node.get("allOf"), list) else []:
-        _read(child, in_all_of=True)
-    for key in INTERSECTED:
-        _read(node.get(key), in_all_of=True)
+            found += [(child, False) for child in node[key]]
+    if isinstance(node.get("allOf"), list):
+        found += [(child, True) for child in node["allOf"]]
+    found += [(node.get(key), True) for key in INTERSECTED]
     for key in SCHEMA_VALUES:
         child = node.get(key)
-        for item in child if isinstance(child, list) else [child]:  # draft-07 tuple items
-            _read(item, in_all_of=False)
+        found += [(item, False) for item in (child if isinstance(child, list) else [child])]
+    return found
+
+
+def _copy(value: object) -> Any:
+    """A deep copy of JSON data (dicts, lists, scalars), without recursion; keys keep their
+    order (properties are generated in the order a schema lists them)."""
+    root: dict[int, object] = {0: None}
+    todo: list[tuple[object, Any, object]] = [(value, root, 0)]
+    while todo:
+        item, parent, key = todo.pop()
+        copied: object = item  # a scalar is its own copy
+        if isinstance(item, dict):
+            copied = dict.fromkeys(item)  # the order first, the values as they come
+            todo += [(v, copied, k) for k, v in item.items()]
+        elif isinstance(item, list):
+            copied = [None] * len(item)
+            todo += [(v, copied, i) for i, v in enumerate(item)]
+        parent[key] = copied
+    return root[0]
 
 
 def _bound(node: dict[str, Any], bound: int) -> None:

@@ -997,7 +997,7 @@ GRAMMARS = [
     case("tool-parameters-nested-400", "grammars",
          chat(tools=[{"type": "function", "function": {"name": "f",
                                                         "parameters": _nested_schema(400)}}],
-              tool_choice="required"), 400, "prompt", "context_length_exceeded", path=CHAT),
+              tool_choice="required"), 400, "messages", "context_length_exceeded", path=CHAT),
 ]  # fmt: skip
 
 CASES: list[Case] = [
