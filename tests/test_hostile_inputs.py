@@ -705,16 +705,31 @@ RAW_BODIES = [
 ]
 
 CONTENT_TYPES = [
-    # read as JSON whatever a simple client says it sent (as OpenAI's API reads it)
-    case("ct-text-plain", "content_types", encode(comp()), 200, content_type="text/plain"),
+    # not read as JSON (browsers send these cross-site unasked): a 400 naming the header
+    case(
+        "ct-text-plain",
+        "content_types",
+        encode(comp()),
+        400,
+        content_type="text/plain",
+        code="invalid_content_type",
+    ),
     case(
         "ct-form-json",
         "content_types",
         encode(comp()),
-        200,
+        400,
         content_type="application/x-www-form-urlencoded",
+        code="invalid_content_type",
     ),  # curl -d without -H
-    case("ct-none-json", "content_types", encode(comp()), 200, content_type=None),
+    case(
+        "ct-none-json",
+        "content_types",
+        encode(comp()),
+        400,
+        content_type=None,
+        code="invalid_content_type",
+    ),
     case(
         "ct-form",
         "content_types",

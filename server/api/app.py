@@ -29,7 +29,7 @@ from server.api import (
 )
 from server.api.errors import APIError, install_error_handlers
 from server.api.guards import APIKeyGuard, BodySizeGuard
-from server.api.middleware import JSONBodyMiddleware, RequestIdMiddleware
+from server.api.middleware import RequestIdMiddleware
 from server.api.models_route import ModelList, model_list
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.response_store import ResponseStore
@@ -156,7 +156,6 @@ def create_app(
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
-    app.add_middleware(JSONBodyMiddleware)
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app, on_client_error=lambda: _count_validation_failure(state))
 

@@ -16,7 +16,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decoding import DecodingParamsError
 from server.api.extension_fields import refused
-from server.api.middleware import SENT_CONTENT_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +98,24 @@ def _loc_to_param(loc: tuple) -> str | None:
 
 def validation_error(exc: RequestValidationError, sent_content_type: str | None) -> APIError:
     """A 400 naming every problem of the body (up to MAX_PROBLEMS), `param` the first one's
-    field. `sent_content_type`: the Content-Type of a body read as JSON though it was sent as
-    something else (middleware.JSONBodyMiddleware), named when the body is no JSON object."""
+    field. `sent_content_type`: the Content-Type of a body that was not sent as JSON (so not
+    read as JSON): the error names the header and its fix. Such a body is refused rather than
+    read as JSON anyway: a browser sends text/plain and form posts to any site without asking
+    (no CORS preflight), and a server on localhost would serve them."""
     errors: list[dict[str, Any]] = list(exc.errors()) or [{"loc": (), "msg": "invalid request"}]
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return _invalid_json(first, exc.body, sent_content_type)
+        return _invalid_json(first, exc.body)
     problems = [_problem(e) for e in errors]
     param, code = problems[0][0], problems[0][1]
     if param is None and first.get("type") in _NOT_AN_OBJECT:
         message = "the request body must be a JSON object"
         if sent_content_type:
             message += (
-                f", sent with Content-Type: application/json (it was sent as {sent_content_type})"
+                f" sent with the header Content-Type: application/json (it came with "
+                f"{sent_content_type}; with curl: -H 'Content-Type: application/json')"
             )
+            code = "invalid_content_type"
         return bad_request(message, None, code)
     shown = [text for _, _, text in problems[:MAX_PROBLEMS]]
     more = len(problems) - len(shown)
@@ -138,7 +141,7 @@ def _problem(error: dict[str, Any]) -> tuple[str | None, str, str]:
     return param, code, f"{param}: {error['msg']}" if param else str(error["msg"])
 
 
-def _invalid_json(error: dict[str, Any], body: Any, sent_content_type: str | None) -> APIError:
+def _invalid_json(error: dict[str, Any], body: Any) -> APIError:
     """JSON that does not parse: where (line, column and the text around it) and why."""
     reason = (error.get("ctx") or {}).get("error", "invalid JSON")
     message = f"request body is not valid JSON: {reason}"
@@ -149,11 +152,6 @@ def _invalid_json(error: dict[str, Any], body: Any, sent_content_type: str | Non
         column = pos - (body.rfind("\n", 0, pos) + 1) + 1
         excerpt = body[max(0, pos - 20) : pos + 20]
         message += f" at line {line}, column {column} (near {excerpt!r})"
-    if sent_content_type is not None:
-        message += (
-            f"; the body was sent as Content-Type: {sent_content_type}: send a JSON object "
-            "with Content-Type: application/json"
-        )
     return bad_request(message, code="invalid_json")
 
 
@@ -176,10 +174,9 @@ def install_error_handlers(
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         on_client_error()
-        sent = request.scope.get(SENT_CONTENT_TYPE)  # read as JSON though sent as this
-        if sent is None and "json" not in request.headers.get("content-type", "json"):
-            sent = request.headers["content-type"]  # not read as JSON at all (multipart, ...)
-        return validation_error(exc, sent).response()
+        sent = request.headers.get("content-type")
+        not_json = None if sent is not None and "json" in sent else sent or "no Content-Type"
+        return validation_error(exc, not_json).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

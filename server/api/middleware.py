@@ -1,5 +1,4 @@
-"""ASGI middleware: request ids (X-Request-Id accepted and returned) and one access-log line each;
-JSON bodies read as JSON whatever Content-Type simple clients send.
+"""ASGI middleware: request ids (X-Request-Id accepted and returned) and one access-log line each.
 
 Pure ASGI rather than BaseHTTPMiddleware so streamed responses pass through untouched.
 """
@@ -58,32 +57,3 @@ class RequestIdMiddleware:
                 },
             )
             request_id_var.reset(token)
-
-
-# What clients send with a JSON body when they do not say application/json: curl -d (a form),
-# text/plain (browsers' simple requests), or nothing at all.
-READ_AS_JSON = frozenset({"", "application/x-www-form-urlencoded", "text/plain"})
-SENT_CONTENT_TYPE = "beamline.sent_content_type"  # scope key: the type a rewritten body came with
-
-
-class JSONBodyMiddleware:
-    """A request body sent as a form, as text/plain or with no Content-Type is read as JSON, as
-    OpenAI's API reads it: `curl -d '{...}'` without `-H content-type:application/json` works.
-    The type it came with stays in the scope, so that a body that does not parse gets an error
-    naming the header (errors.py). Other types (multipart, ...) are left as they are."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
-            headers = scope["headers"]
-            sent = dict(headers).get(b"content-type", b"").decode("latin-1")
-            if sent.split(";")[0].strip().lower() in READ_AS_JSON:
-                scope = dict(scope)
-                scope["headers"] = [
-                    *((k, v) for k, v in headers if k != b"content-type"),
-                    (b"content-type", b"application/json"),
-                ]
-                scope[SENT_CONTENT_TYPE] = sent or "(none)"
-        await self.app(scope, receive, send)
