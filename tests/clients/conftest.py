@@ -1,0 +1,148 @@
+"""The client suite's live server, the clients' venvs, and the record of each client's version.
+
+One `python -m server.cli serve` on the default model (started as users start it, on a free
+loopback port) serves every test of this package; its log is kept (BEAMLINE_TEST_ARTIFACTS, else
+pytest's temporary folder) and its tail is attached to any failing test's report. Clients whose
+pins fight ours run in their own venv (tests/client_venv.sh), passed in as
+BEAMLINE_<CLIENT>_PYTHON; without it their test skips, except under CI=true where it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.launch import first_model_id, launched_beamline
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+# Clients the suite has run, with their versions: printed in pytest's summary.
+CLIENT_VERSIONS: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Served:
+    """The live server: base URL (no /v1), the served model id, its log and model folder."""
+
+    url: str
+    model: str
+    log: Path
+    model_dir: Path
+
+
+# The live server while it runs: a failing test's report gets its log's tail.
+LIVE: list[Served] = []
+
+
+def artifacts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = os.environ.get("BEAMLINE_TEST_ARTIFACTS")
+    out = Path(root) / "clients" if root else tmp_path_factory.mktemp("clients")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@pytest.fixture(scope="package")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`beamline serve` on the default model, once for the whole client suite."""
+    from server.model.loader import resolve_model_dir
+
+    log = artifacts_dir(tmp_path_factory) / "server.log"
+    # A grammar compile may take longer than the 10 s default on a loaded 2-core machine: a
+    # client's first structured request would then be a 400 grammar_too_complex, not a defect.
+    args = ["--grammar-compile-timeout", "60"]
+    start = time.monotonic()
+    with launched_beamline(None, log, extra_args=args, timeout_s=600) as (url, ready_s):
+        print(f"\nclient suite: beamline healthy in {ready_s:.0f} s at {url} (log: {log})")
+        server = Served(url, first_model_id(url), log, resolve_model_dir(None))
+        LIVE.append(server)
+        try:
+            yield server
+        finally:
+            LIVE.remove(server)
+    print(f"\nclient suite: server up for {time.monotonic() - start:.0f} s in all")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing test of the live server shows the server log's last lines beside its output."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and LIVE and item.get_closest_marker("default_model") is not None:
+        log = LIVE[-1].log
+        lines = [x for x in log.read_text(errors="replace").splitlines() if "GET /health" not in x]
+        report.sections.append((f"server log ({log}), last lines", "\n".join(lines[-40:])))
+
+
+def record_version(name: str, version: str) -> None:
+    """Note a client's version for pytest's summary (and the test's own output)."""
+    CLIENT_VERSIONS[name] = version
+    print(f"{name} {version}")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if CLIENT_VERSIONS:
+        versions = ", ".join(f"{k} {v}" for k, v in sorted(CLIENT_VERSIONS.items()))
+        terminalreporter.write_line(f"client versions: {versions}")
+
+
+def client_python(client: str) -> str:
+    """The venv python of `client` from BEAMLINE_<CLIENT>_PYTHON; skip (fail under CI) if unset."""
+    var = f"BEAMLINE_{client.upper()}_PYTHON"
+    python = os.environ.get(var)
+    if not python:
+        why = (
+            f"{var} is not set; build the venv with "
+            f'{var}="$(bash tests/client_venv.sh {client})" (tests/clients/conftest.py)'
+        )
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: {why}", pytrace=False)
+        pytest.skip(why)
+    # Set but broken fails everywhere: whoever set it meant the test to run.
+    if shutil.which(python) is None:
+        pytest.fail(f"{var}={python} is not an executable; rebuild it with tests/client_venv.sh")
+    return python
+
+
+def run_client_script(
+    python: str, script: str, served: Served, timeout_s: float = 600
+) -> dict[str, Any]:
+    """Run scripts/<script> under a client's venv against the server; its JSON report.
+
+    Each script prints one JSON object on its last stdout line: {"versions": {...},
+    "cases": {name: {"ok": true, ...what the user got} | {"ok": false, "error": ...}}}.
+    """
+    env = {
+        **os.environ,
+        "PYTHONPATH": "",  # the venv's packages only, never this checkout's
+        "HF_HUB_OFFLINE": "1",
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
+    cmd = [python, str(SCRIPTS / script), f"{served.url}/v1", served.model]
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    took = time.monotonic() - start
+    assert done.returncode == 0 and done.stdout.strip(), (
+        f"{script} exited {done.returncode} after {took:.0f} s\n"
+        f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, version in report["versions"].items():
+        record_version(name, version)
+    print(f"{script}: {took:.1f} s; stderr tail:\n{done.stderr[-1500:]}")
+    return report
+
+
+def case(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """One case of a script's report; fails with the client's own error if it raised."""
+    result = report["cases"][name]
+    if not result["ok"]:
+        pytest.fail(f"{name}: the client raised\n{result['error']}", pytrace=False)
+    return result
