@@ -31,6 +31,7 @@ from server.api.errors import APIError, install_error_handlers
 from server.api.guards import APIKeyGuard, BodySizeGuard
 from server.api.middleware import RequestIdMiddleware
 from server.api.models_route import ModelList, model_list
+from server.api.openapi import describe_as_served
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.response_store import ResponseStore
 from server.api.serving import Job, ServingContext
@@ -144,6 +145,7 @@ def create_app(
             await asyncio.to_thread(state.ctx.engine.shutdown)
 
     app = FastAPI(title="beamline", version="0.1.0", lifespan=lifespan)
+    describe_as_served(app)
     app.state.serving = state
     # Added innermost first: the request id wraps everything, CORS answers preflights before auth.
     app.add_middleware(BodySizeGuard, max_bytes=config.max_body_bytes)

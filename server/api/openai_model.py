@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -25,13 +27,38 @@ class OpenAIModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
+        """Drop the nulls of optional fields; an unknown field stays, null or not, to be
+        refused by name."""
         if not isinstance(data, dict):
             return data
-        required = {
+        optional = {
             key
             for name, info in cls.model_fields.items()
-            if info.is_required()
+            if not info.is_required()
             for key in (name, info.alias)
             if key
         }
-        return {k: v for k, v in data.items() if v is not None or k in required}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The OpenAPI document says what the server takes: every optional field may be null."""
+        json_schema = handler(core_schema)
+        target = handler.resolve_ref_schema(json_schema)
+        required = set(target.get("required", ()))
+        properties = target.get("properties", {})
+        for name, prop in properties.items():
+            if name not in required and not _allows_null(prop):
+                outer = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+                properties[name] = {"anyOf": [prop, {"type": "null"}], **outer}
+        return json_schema
+
+
+def _allows_null(schema: dict[str, Any]) -> bool:
+    kind = schema.get("type")
+    if kind == "null" or (isinstance(kind, list) and "null" in kind):
+        return True
+    branches = schema.get("anyOf", []) + schema.get("oneOf", [])
+    return any(isinstance(b, dict) and _allows_null(b) for b in branches)

@@ -93,6 +93,8 @@ def _fill_empty_inputs(body: dict[str, Any]) -> None:
                     message["content"] = "Hi"
     if body.get("prompt") in ("", [], [""], [[]]):
         body["prompt"] = "Hi"
+    if body.get("input") in ("", []):
+        body["input"] = "Hi"
 
 
 @schemathesis.hook
@@ -110,11 +112,15 @@ def map_case(ctx: Any, case: Any) -> Any:
     if meta is not None and meta.generation.mode.is_positive:
         if SERVED_MODEL and isinstance(body.get("model"), str):
             body["model"] = SERVED_MODEL
-        if "messages" in body and not any(body.get(f) is not None for f in LENGTH_FIELDS):
-            body["max_tokens"] = MAX_NEW_TOKENS  # chat's default is the rest of the context
+        if not any(body.get(f) is not None for f in LENGTH_FIELDS):  # else the server's default
+            if "messages" in body:
+                body["max_tokens"] = MAX_NEW_TOKENS
+            elif "input" in body:
+                body["max_output_tokens"] = MAX_NEW_TOKENS
         _fill_empty_inputs(body)
         # Hypothesis rarely draws `stream: true` together with an otherwise valid body: a
         # quarter of the valid generation cases (by their content, so runs repeat) stream.
-        if ("messages" in body or "prompt" in body) and zlib.crc32(repr(body).encode()) % 4 == 0:
+        generates = any(k in body for k in ("messages", "prompt", "input"))
+        if generates and zlib.crc32(repr(body).encode()) % 4 == 0:
             body["stream"] = True
     return case
