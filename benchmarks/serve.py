@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import importlib.util
 import os
-import platform
 import shlex
 import sys
 import time
@@ -29,6 +28,7 @@ from benchmarks.client import (
     stream_completion,
 )
 from benchmarks.launch import LaunchError, first_model_id, launched_beamline
+from benchmarks.machine import machine_info
 from benchmarks.plot import plot_results
 from benchmarks.report import (
     RECORDED_NOTE,
@@ -454,53 +454,6 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
 
 
 # ---- the run -------------------------------------------------------------------------------------
-def machine_info() -> dict:
-    info = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "loadavg_1m_at_start": _loadavg(),
-        "cpu": cpu_identity(),
-    }
-    for mod in ("torch", "transformers", "llama_cpp", "httpx"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:
-            info[mod] = None
-    return info
-
-
-def cpu_identity() -> str:
-    """Vendor, family/model and vector extensions of the host CPU. These VMs land on different
-    hosts from day to day (an Intel Xeon with AMX one day, an AMD EPYC Zen 4 another), and the
-    GEMM paths, so beamline's and HF's speeds, differ by host: a ratio holds for its run's host."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("vendor_id", "model name", "cpu family", "model", "flags"):
-                fields.setdefault(key, value.strip())
-    except OSError:
-        return platform.processor() or "unknown"
-    flags = set(fields.get("flags", "").split())
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-    vector = [f for f in wanted if f in flags]
-    return (
-        f"{fields.get('vendor_id', '?')} {fields.get('model name', '?')} "
-        f"(family {fields.get('cpu family', '?')} model {fields.get('model', '?')}; "
-        f"{' '.join(vector) or 'no AVX2'})"
-    )
-
-
-def _loadavg() -> float | None:
-    """1-minute load average: other work on the machine shows up here (numbers are then noisy)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
 def result_paths(args: argparse.Namespace, kind: str) -> tuple[Path, Path]:
     stem = args.tag or f"{kind}{'-short' if args.short else ''}-{time.strftime('%Y%m%d-%H%M%S')}"
     return args.out_dir / f"{stem}.json", args.out_dir / f"{stem}.png"

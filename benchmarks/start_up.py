@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.launch import launched_beamline
-from benchmarks.serve import cpu_identity
+from benchmarks.machine import cpu_identity
 
 
 def time_start(model: str | None, cache: Path, args: list[str], log: Path) -> float:
