@@ -18,8 +18,6 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from benchmarks import hf_baseline, llama_server, llamacpp_baseline
-from benchmarks.beam_case import engine_stats, format_beam_case, run_beam_case
 from benchmarks.client import (
     CompletionTarget,
     make_client,
@@ -29,8 +27,10 @@ from benchmarks.client import (
 )
 from benchmarks.launch import LaunchError, first_model_id, launched_beamline
 from benchmarks.machine import machine_info
-from benchmarks.plot import plot_results
-from benchmarks.report import (
+from benchmarks.serving import hf_baseline, llama_server, llamacpp_baseline
+from benchmarks.serving.beam_case import engine_stats, format_beam_case, run_beam_case
+from benchmarks.serving.plot import plot_results
+from benchmarks.serving.report import (
     RECORDED_NOTE,
     Run,
     SystemResult,
@@ -39,8 +39,8 @@ from benchmarks.report import (
     ratio_rows,
     write_json,
 )
+from benchmarks.serving.structured import format_structured, run_structured
 from benchmarks.stats import summarize
-from benchmarks.structured import format_structured, run_structured
 from benchmarks.workload import (
     BenchRequest,
     Workload,
@@ -575,7 +575,7 @@ class Progress:
 
 def plotting_available() -> bool:
     """matplotlib may be missing where the wheels are few (a GPU machine): the plot is then drawn
-    later from the JSON (`benchmarks.plot.plot_results`)."""
+    later from the JSON (`benchmarks.serving.plot.plot_results`)."""
     return importlib.util.find_spec("matplotlib") is not None
 
 

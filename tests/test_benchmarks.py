@@ -13,7 +13,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from benchmarks import serve
-from benchmarks.beam_case import run_beam_case
 from benchmarks.client import (
     CompletionTarget,
     make_client,
@@ -22,11 +21,12 @@ from benchmarks.client import (
     run_poisson,
     stream_completion,
 )
-from benchmarks.hf_baseline import load_hf_model, own_length, run_static_batches
 from benchmarks.launch import beamline_command
-from benchmarks.report import Run, SystemResult, ratio_rows
+from benchmarks.serving.beam_case import run_beam_case
+from benchmarks.serving.hf_baseline import load_hf_model, own_length, run_static_batches
+from benchmarks.serving.report import Run, SystemResult, ratio_rows
+from benchmarks.serving.structured import format_structured, histogram_quantile, run_structured
 from benchmarks.stats import RequestResult, distribution_ms, percentile, summarize
-from benchmarks.structured import format_structured, histogram_quantile, run_structured
 from benchmarks.workload import (
     BenchRequest,
     load_prompts,

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import llama_server, serve
+from benchmarks import serve
+from benchmarks.serving import llama_server
 from tests.live_server import live_server
 from tests.test_benchmarks import fake_openai_app
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import httpx
 import jsonschema
 
-from benchmarks.beam_case import engine_stats
 from benchmarks.client import CompletionTarget, make_client, stream_completion
 from benchmarks.schema_suite import SCHEMAS
+from benchmarks.serving.beam_case import engine_stats
 from benchmarks.stats import RequestResult
 from benchmarks.workload import BenchRequest
 

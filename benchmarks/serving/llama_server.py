@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.client import CompletionTarget, run_concurrency
 from benchmarks.launch import LaunchError, first_model_id, free_port, stop, wait_healthy
-from benchmarks.report import Run, SystemResult
+from benchmarks.serving.report import Run, SystemResult
 from benchmarks.stats import summarize
 from benchmarks.workload import BenchRequest
 
