@@ -24,6 +24,7 @@ from benchmarks.client import (
 from benchmarks.launch import beamline_command
 from benchmarks.serving.beam_case import run_beam_case
 from benchmarks.serving.hf_baseline import load_hf_model, own_length, run_static_batches
+from benchmarks.serving.options import peers_comparable
 from benchmarks.serving.report import Run, SystemResult, ratio_rows
 from benchmarks.serving.structured import format_structured, histogram_quantile, run_structured
 from benchmarks.stats import RequestResult, distribution_ms, percentile, summarize
@@ -273,10 +274,10 @@ def test_shared_prefix_workload_prepends_one_seeded_system_prompt() -> None:
     assert serve.build_workload(args) == with_shared_prefix(
         synthetic_workload(8, (8, 48), args.output_tokens, seed=1), 30, seed=1
     )
-    assert not serve.peers_comparable(
+    assert not peers_comparable(
         serve.resolve_args(["--launch-beamline", "--shared-prefix-words", "30"])
     )
-    assert serve.peers_comparable(serve.resolve_args(["--launch-beamline"]))
+    assert peers_comparable(serve.resolve_args(["--launch-beamline"]))
 
 
 def test_grounded_workload_quotes_a_passage_in_every_chat_request() -> None:
