@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -24,55 +22,9 @@ from pydantic import (
 )
 
 from server.model.devices import DType, Quantization
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "m": 1000**2,
-    "g": 1000**3,
-    "t": 1000**4,
-    "ki": 1024,
-    "mi": 1024**2,
-    "gi": 1024**3,
-    "ti": 1024**4,
-}
-
+from server.sizes import ByteSize, KVSize
 
 log = logging.getLogger(__name__)
-
-
-def parse_size(value: int | str) -> int:
-    """'1GiB', '512MiB', '2G' or a plain byte count -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if not isinstance(value, str):  # a ValueError, so that pydantic reports it with the key
-        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB or a byte count)")
-    m = _SIZE.match(value)
-    if not m:
-        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB or a byte count)")
-    unit = (m.group(2) or "").lower().rstrip("b")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-ByteSize = Annotated[int, BeforeValidator(parse_size)]  # a byte count or a size such as 1GiB
-
-
-def parse_kv_size(value: int | str) -> int | str:
-    """A KV pool size (as `parse_size`, > 0) or "auto" (sized from the device: kv_budget.py)."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        size = parse_size(value)
-    except ValueError:
-        size = 0
-    if size <= 0:
-        raise ValueError(f"not a size > 0 or auto: {value!r} (use e.g. auto, 8GiB or a byte count)")
-    return size
-
-
-KVSize = Annotated[int | Literal["auto"], BeforeValidator(parse_kv_size)]
 # On CUDA a step of 256 rows costs little more than one of 64 (the GPU is far from busy), so the
 # batch limits a user leaves unset are raised there; the CPU defaults keep a 2-core step short.
 CUDA_DEFAULTS: dict[str, int] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
@@ -86,7 +38,17 @@ class ServerConfig(BaseModel):
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=1, le=65535, description="port")
     model: str | None = Field(
-        None, description="HF model directory or .gguf file; empty = default (Gemma 3 270M)"
+        None,
+        description="Hugging Face hub id (org/name; org/name:QUANT picks a .gguf file of a GGUF "
+        "repo), local model directory or .gguf file; empty = default (Gemma 3 270M)",
+    )
+    revision: str | None = Field(
+        None, description="branch, tag or commit of a hub model id; empty = main"
+    )
+    allow_pickle_weights: bool = Field(
+        False,
+        description="download and load PyTorch .bin (pickle) weights of a hub repo that has no "
+        "safetensors; off: such a repo is refused",
     )
     served_model_name: str | None = Field(None, description="model id reported by the API")
     cache_dir: Path | None = Field(

@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from server.cli import CONFIG_ONLY_KEYS, _add_serve_args, main
-from server.config import ConfigError, ServerConfig, load_config, parse_size
+from server.config import ConfigError, ServerConfig, load_config
+from server.sizes import parse_size
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -74,7 +75,8 @@ def serve_parser() -> argparse.ArgumentParser:
 def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
     flags = {o for a in serve_parser()._actions for o in a.option_strings if o.startswith("--")}
     assert flags == {
-        "--help", "--config", "--host", "--port", "--model", "--served-model-name",
+        "--help", "--config", "--host", "--port", "--model", "--revision",
+        "--allow-pickle-weights", "--no-allow-pickle-weights", "--served-model-name",
         "--cache-dir", "--device", "--dtype", "--quantization", "--linear-layout",
         "--attention-backend",
         "--num-threads", "--torch-compile", "--no-torch-compile", "--cuda-graphs",
