@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import frontend_cost
-from benchmarks.frontend_cost import ENGINE, EVENT_LOOP, ThreadSample, cpu_split
+from benchmarks.frontend.cpu import ENGINE, EVENT_LOOP, WORKERS, ThreadSample, cpu_split
 
 
 def test_frontend_cost_reports_every_mode_with_counters_and_cpu(tmp_path: Path) -> None:
@@ -73,10 +73,10 @@ def test_cpu_split_attributes_threads_and_the_engine_threads_wall_time() -> None
         2: ThreadSample("eng", 3.0, 3.0, 1.0),
         3: ThreadSample("eng", 0.2, 0.2, 0.0),  # started during the window
     }
-    groups = {1: EVENT_LOOP, 2: ENGINE, 3: frontend_cost.WORKERS}
+    groups = {1: EVENT_LOOP, 2: ENGINE, 3: WORKERS}
     split = cpu_split(before, after, 1.7, 2.0, lambda tid, comm: (comm, groups[tid]))
     assert split["groups_cpu_s"][ENGINE] == 1.0
     assert split["groups_cpu_s"][EVENT_LOOP] == 0.5
-    assert abs(split["groups_cpu_s"][frontend_cost.WORKERS] - 0.2) < 1e-9
+    assert abs(split["groups_cpu_s"][WORKERS] - 0.2) < 1e-9
     assert split["engine_thread_time"] == {"on_cpu": 0.5, "runqueue": 0.25, "off_cpu": 0.25}
     assert split["process_cores"] == 0.85

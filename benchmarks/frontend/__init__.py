@@ -1,0 +1,1 @@
+"""The parts of the front-end cost benchmark (`python -m benchmarks.frontend_cost`)."""
