@@ -11,7 +11,19 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "request_id", default=None
 )
 
-_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+# Record attributes that are not `extra` fields; uvicorn's `color_message` is its message again
+# with terminal colour codes, noise in a log file or a JSON line.
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}
+# uvicorn's lifespan lines: "startup complete" appears as the port opens, while the model is still
+# loading, so they are debug lines; bootstrap logs "ready: serving ..." once the engine runs.
+_UVICORN_LIFESPAN = frozenset(
+    {
+        "Waiting for application startup.",
+        "Application startup complete.",
+        "Waiting for application shutdown.",
+        "Application shutdown complete.",
+    }
+)
 
 
 class JsonFormatter(logging.Formatter):
@@ -48,9 +60,20 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class UvicornLifespanAtDebug(logging.Filter):
+    """Lowers uvicorn's lifespan lines to DEBUG (dropped unless the root logger shows DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "uvicorn.error" or record.msg not in _UVICORN_LIFESPAN:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(UvicornLifespanAtDebug())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -1,4 +1,5 @@
-"""ASGI middleware: request ids (X-Request-Id accepted and returned) and one access-log line each.
+"""ASGI middleware: request ids (X-Request-Id accepted and returned) and one access-log line each
+(at DEBUG for health probes and metrics scrapes).
 
 Pure ASGI rather than BaseHTTPMiddleware so streamed responses pass through untouched.
 """
@@ -15,6 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.logs import request_id_var
 
 log = logging.getLogger("beamline.access")
+# Probes and scrapes arrive every few seconds: their lines are debug lines, not the log's bulk.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -45,7 +48,8 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            log.info(
+            log.log(
+                logging.DEBUG if scope["path"] in PROBE_PATHS else logging.INFO,
                 "%s %s %d",
                 scope["method"],
                 scope["path"],

@@ -90,7 +90,53 @@ def plan_num_blocks(
     """The pool's size in blocks: `num_blocks` if given, else `budget.kv_cache_bytes`, else
     (auto) 1 GiB on the CPU or, on CUDA, what `profile` (runs the worst step, returns its peak
     bytes and releases them) and `mem_info` leave. `max_model_len` is the context one sequence
-    may reach: an auto-sized pool that cannot hold one such sequence is refused."""
+    may reach: an auto-sized pool that cannot hold one such sequence is refused; a smaller pool
+    set by size or block count lowers it (the engine caps it there), and the log says so."""
+    blocks = _plan(
+        budget, num_blocks, bytes_per_block, block_size, device, max_model_len, profile, mem_info
+    )
+    pool = f"{blocks:,} blocks of {block_size} tokens, {blocks * bytes_per_block / GiB:.2f} GiB"
+    log.info(context_limit(budget, max_model_len, blocks * block_size, pool, num_blocks, device))
+    return blocks
+
+
+def context_limit(
+    budget: KVBudget,
+    max_model_len: int,
+    pool_tokens: int,
+    pool: str,
+    num_blocks: int | None,
+    device: torch.device,
+) -> str:
+    """Why the context limit is what it is: max_model_len (the flag's, else the model's), or
+    less when the pool holds fewer tokens than that for one sequence."""
+    if pool_tokens >= max_model_len:
+        source = "--max-model-len" if budget.max_model_len else "the model's context length"
+        return f"max_model_len {max_model_len:,} tokens: {source} (the KV pool: {pool})"
+    if num_blocks is not None:
+        sized_by = "num_kv_blocks"
+    elif budget.kv_cache_bytes != "auto":
+        sized_by = "kv_cache_memory"
+    else:
+        sized_by = "kv_cache_memory auto" + (" = 1 GiB on the CPU" if device.type != "cuda" else "")
+    asked = "--max-model-len asks" if budget.max_model_len else "the model allows"
+    return (
+        f"max_model_len {pool_tokens:,} tokens: what the KV pool ({pool}: {sized_by}) holds for "
+        f"one sequence ({asked} {max_model_len:,}); --kv-cache-memory or --max-model-len to "
+        "change"
+    )
+
+
+def _plan(
+    budget: KVBudget,
+    num_blocks: int | None,
+    bytes_per_block: int,
+    block_size: int,
+    device: torch.device,
+    max_model_len: int,
+    profile: Callable[[], int],
+    mem_info: MemInfo,
+) -> int:
     if num_blocks is not None:
         return _at_least_one_block(num_blocks, bytes_per_block)
     if budget.kv_cache_bytes != "auto":
