@@ -1,5 +1,6 @@
-"""Builds the serving stack from a ServerConfig: the engine (in a thread of this process or in a
-process of its own), the tokenizer the front end uses, metrics, grammars."""
+"""Builds the serving stack from a ServerConfig: the model's files found before the port opens
+(`prepare_model`), then, while `/health` says "loading", the engine (in a thread of this process
+or in a process of its own), the tokenizer the front end uses, metrics, grammars."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from server.engine.client import EngineClient
 from server.loading import freeze_start_up_objects, load_engine, load_tokenizer
 from server.metrics import Metrics
 from server.model.devices import pick_device
-from server.model.loader import resolve_model_dir, served_model_name
+from server.model.loader import loading_plan, locate_model, resolve_model_dir, served_model_name
 from server.process.client import EngineProcessClient
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,37 @@ def runs_engine_process(setting: str, device_type: str) -> bool:
     return setting == "on" or (setting == "auto" and device_type == "cuda")
 
 
+class ModelLoadFailed(RuntimeError):
+    """The model's files were found but did not load: `beamline serve` ends with exit code 1."""
+
+
+def prepare_model(config: ServerConfig) -> ServerConfig:
+    """Before the port opens: find the model's files (downloading a hub model's), so that a
+    model that cannot be found ends start-up at once (ModelNotFound, one line), and say what
+    loading will do. The config returned names the local path and the id to serve it as."""
+    located = locate_model(config.model, config.revision, config.allow_pickle_weights)
+    log.info(
+        "%s; the port opens now and /health answers 503 until the model is ready",
+        loading_plan(located, config.cache_dir),
+    )
+    name = config.served_model_name or located.name
+    return config.model_copy(update={"model": str(located.path), "served_model_name": name})
+
+
 def build_serving_context(config: ServerConfig) -> ServingContext:
-    """Load everything and start the engine loop. Never touches the network."""
+    """Load everything and start the engine loop; ModelLoadFailed names the model and the cause.
+    Never touches the network (prepare_model fetched what a hub model needs)."""
+    try:
+        return _build_serving_context(config)
+    except Exception as exc:
+        cause = " ".join(str(exc).split())  # one line: transformers' messages span several
+        raise ModelLoadFailed(
+            f"{config.model or 'the default model'}: {type(exc).__name__}: {cause}"
+        ) from exc
+
+
+def _build_serving_context(config: ServerConfig) -> ServingContext:
+    started_at = time.monotonic()
     device = pick_device(config.device)
     config = with_device_defaults(config, device.type)  # a no-op when `beamline serve` did it
     name = config.served_model_name or served_model_name(config.model)
@@ -63,6 +93,14 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
     started = time.monotonic()
     ctx.grammars.prepare()  # structured outputs' first request must not wait for this
     log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)
-    log.info("serving %s from %s (max_model_len %d)", name, model_dir, engine.max_model_len)
+    log.info(
+        "ready: serving %s on http://%s:%d, loaded in %.0f s from %s (max_model_len %s)",
+        name,
+        config.host,
+        config.port,
+        time.monotonic() - started_at,
+        model_dir,
+        f"{engine.max_model_len:,}",
+    )
     freeze_start_up_objects()
     return ctx

