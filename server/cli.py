@@ -1,8 +1,11 @@
-"""`beamline serve`: start the OpenAI-compatible server."""
+"""`beamline serve [MODEL]`: start the OpenAI-compatible server; `beamline bench serve --url URL`:
+measure one (benchmarks/serve.py)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
 import sys
 import types
 import typing
@@ -13,6 +16,7 @@ from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 
 from server.config import ConfigError, ServerConfig, load_config, with_device_defaults
+from server.config_groups import CONFIG_GROUPS
 from server.logs import setup_logging
 
 # Request limits are set in the config file or by env var only.
@@ -31,16 +35,21 @@ CONFIG_ONLY_KEYS = frozenset(
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    """`--config`, then a flag per `ServerConfig` key: `--max-num-seqs` sets `max_num_seqs`, with
-    the key's description as help and its type and choices. A flag given overrides the config file
-    and env vars; one left out leaves them alone (every flag defaults to None)."""
+    """`--config`, then a flag per `ServerConfig` key under its group's heading (CONFIG_GROUPS):
+    `--max-num-seqs` sets `max_num_seqs`, with the key's description as help and its type and
+    choices. A flag given overrides the config file and env vars; one left out leaves them alone
+    (every flag defaults to None)."""
     p.add_argument("--config", type=Path, help="YAML config file (see configs/default.yaml)")
-    for name, info in ServerConfig.model_fields.items():
-        if name not in CONFIG_ONLY_KEYS:
-            _add_config_flag(p, name, info)
+    for title, names in CONFIG_GROUPS.items():
+        file_only = [n for n in names if n in CONFIG_ONLY_KEYS]
+        note = f"{', '.join(file_only)}: config file or BEAMLINE_<KEY> only" if file_only else None
+        group = p.add_argument_group(title, note)
+        for name in names:
+            if name not in CONFIG_ONLY_KEYS:
+                _add_config_flag(group, name, ServerConfig.model_fields[name])
 
 
-def _add_config_flag(p: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
+def _add_config_flag(p: argparse._ActionsContainer, name: str, info: FieldInfo) -> None:
     """One flag for config key `name`; a list key takes a repeatable singular flag (--api-key)."""
     kind = _without_none(info.annotation)
     default = info.get_default(call_default_factory=True)
@@ -78,7 +87,7 @@ def _help(description: str | None, default: object) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "func")}
+    overrides = {k: v for k, v in vars(args).items() if k in ServerConfig.model_fields}
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -94,19 +103,88 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(config.log_level, config.log_format)
     # Before the app is built: its admission limits read max_num_seqs too.
     config = with_device_defaults(config, device.type)
-    from server.http_server import run_server  # heavy imports (the model side) only when serving
+    # heavy imports (the model side) only when serving
+    from server.bootstrap import ModelLoadFailed, prepare_model
+    from server.model.hub import ModelNotFound
 
-    run_server(config)
+    try:
+        config = prepare_model(config)  # before the port opens: a missing model ends it here
+    except ModelNotFound as exc:
+        print(f"beamline: {exc}", file=sys.stderr)
+        return 1
+    from server.http_server import run_server
+
+    try:
+        run_server(config)
+    except ModelLoadFailed:
+        return 1  # the reason is in the log already, on one line
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def bench_serve(args: argparse.Namespace) -> int:
+    """benchmarks.serve against `--url`, with no local baselines unless asked for."""
+    # by name: benchmarks/ is not part of the package's type checking (pyproject: mypy files)
+    serve_benchmark = importlib.import_module("benchmarks.serve").main
+    passed_on = list(args.passed_on)
+    if not any(a == "--baselines" or a.startswith("--baselines=") for a in passed_on):
+        passed_on += ["--baselines", "none"]
+    return serve_benchmark(["--base-url", args.url, *passed_on])
+
+
+BENCH_SERVE_HELP = """Measure any OpenAI-compatible server (beamline, vLLM, SGLang, llama.cpp's
+llama-server, ...) with the project's serving benchmark, as `vllm bench serve` does: streamed
+/v1/completions requests at each --concurrency (default 1,4,16) or --request-rate; TTFT, TPOT,
+ITL, E2E latency and throughput; JSON and a PNG under --out-dir. Every other option is
+benchmarks.serve's (python -m benchmarks.serve --help): --concurrency, --request-rate,
+--num-requests, --output-tokens, --dataset, --model-name, --api-key, --no-ignore-eos, ..."""
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("beamline")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="beamline", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"beamline {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve_parser = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve_parser = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        usage="beamline serve [MODEL] [options]",
+    )
+    serve_parser.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        help="hub id (org/name, org/name:QUANT), model directory or .gguf file: the same as "
+        "--model; empty = default (Gemma 3 270M)",
+    )
     _add_serve_args(serve_parser)
-    serve_parser.set_defaults(func=serve)
-    args = parser.parse_args(argv)
+    serve_parser.set_defaults(func=serve, parser=serve_parser)
+    bench = sub.add_parser("bench", help="benchmark a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve_parser = bench_sub.add_parser(
+        "serve", help="serving benchmark of an OpenAI-compatible URL", description=BENCH_SERVE_HELP
+    )
+    bench_serve_parser.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the server's base URL (default %(default)s)"
+    )
+    bench_serve_parser.set_defaults(func=bench_serve, parser=bench_serve_parser, passes_on=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown and not getattr(args, "passes_on", False):
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.passed_on = unknown
+    if getattr(args, "model_arg", None):
+        if args.model is not None:
+            args.parser.error("give the model once: as MODEL or as --model, not both")
+        args.model = args.model_arg
     return args.func(args)
 
 

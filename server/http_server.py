@@ -3,6 +3,10 @@
 uvicorn's own handling closes the listener and re-raises the signal after shutdown (exit status
 143). We instead mark the server as draining (new generation requests and /ready get 503), wait
 until no request is in flight or `drain_timeout` passes, then ask uvicorn to exit normally.
+
+A model that fails to load (in the background, after the port opened) stops the server too:
+`run_server` then raises ModelLoadFailed, and `beamline serve` exits 1 (a pod restarts; a person
+sees the one-line reason) instead of answering 503 forever.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from types import FrameType
 import uvicorn
 
 from server.api.app import ServingState, create_app
-from server.bootstrap import build_serving_context
+from server.bootstrap import ModelLoadFailed, build_serving_context
 from server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,10 @@ class DrainingServer(uvicorn.Server):
         )
         asyncio.get_event_loop().create_task(self._drain())
 
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn asks every 0.1 s whether to exit: also once the model failed to load."""
+        return self.state.load_error is not None or await super().on_tick(counter)
+
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
         while self.state.in_flight > 0 and time.monotonic() < deadline:
@@ -52,6 +60,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(config: ServerConfig) -> None:
+    """Serve until SIGTERM / Ctrl-C; ModelLoadFailed (already logged) if the model did not load."""
     app = create_app(loader=lambda: build_serving_context(config), config=config)
     uv_config = uvicorn.Config(
         app,
@@ -63,4 +72,7 @@ def run_server(config: ServerConfig) -> None:
         h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_graceful_shutdown=1,
     )
-    DrainingServer(uv_config, app.state.serving, config.drain_timeout).run()
+    state = app.state.serving
+    DrainingServer(uv_config, state, config.drain_timeout).run()
+    if state.load_error is not None:
+        raise ModelLoadFailed(str(state.load_error)) from state.load_error

@@ -131,7 +131,8 @@ def create_app(
         try:
             state.ctx = build()
         except BaseException as exc:
-            log.exception("model failed to load")
+            log.error("model failed to load: %s", exc)  # one line; the traceback at debug level
+            log.debug("model failed to load", exc_info=True)
             state.load_error = exc
 
     @asynccontextmanager

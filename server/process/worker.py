@@ -166,8 +166,8 @@ def run_engine_process(config: ServerConfig, conn: Connection) -> None:
         compiler = ThreadPoolExecutor(1, thread_name_prefix="beamline-grammar").submit(
             GrammarCompiler, loaded.tokenizer, loaded.runner.vocab_size, engine.eos_token_ids
         )
-    except BaseException as exc:
-        log.exception("engine process failed to start")
+    except BaseException as exc:  # the front end logs the reason, on one line, and exits 1
+        log.debug("engine process failed to start", exc_info=True)
         conn.send(StartupFailed(f"{type(exc).__name__}: {exc}"))
         return
     freeze_start_up_objects()

@@ -1,0 +1,65 @@
+"""Which purpose each config key serves: `beamline serve --help` lists its flags under these
+headings, in this order. Every ServerConfig key is in exactly one group (tests/test_cli.py)."""
+
+from __future__ import annotations
+
+CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": (
+        "model",
+        "revision",
+        "allow_pickle_weights",
+        "served_model_name",
+        "cache_dir",
+        "dtype",
+        "quantization",
+        "generation_config_defaults",
+    ),
+    "server": ("host", "port", "playground", "drain_timeout"),
+    "serving limits": (
+        "max_waiting_requests",
+        "default_max_tokens",
+        "max_tokens_limit",
+        "max_n",
+        "max_best_of",
+        "max_num_beams",
+        "max_logprobs",
+        "max_scored_prompt_tokens",
+        "max_stop_sequences",
+        "max_prompts_per_request",
+        "max_grammar_bytes",
+        "grammar_cache_size",
+        "grammar_compile_timeout",
+        "responses_store_size",
+    ),
+    "KV cache and batching": (
+        "kv_cache_memory",
+        "gpu_memory_utilization",
+        "num_kv_blocks",
+        "block_size",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_prefix_caching",
+    ),
+    "performance": (
+        "device",
+        "num_threads",
+        "linear_layout",
+        "attention_backend",
+        "torch_compile",
+        "cuda_graphs",
+        "overlap_outputs",
+        "async_scheduling",
+        "num_speculative_tokens",
+        "engine_process",
+    ),
+    "security": (
+        "api_keys",
+        "api_key_file",
+        "public_paths",
+        "cors_allow_origins",
+        "max_body_bytes",
+        "max_header_bytes",
+    ),
+    "observability": ("log_level", "log_format"),
+}

@@ -1,0 +1,167 @@
+"""Start-up tells the truth: a line before the port opens says what loading will do; uvicorn's
+"Application startup complete" (the app starts as the port opens, long before the model is
+ready) is a debug line and "ready: serving ..." says when it is; no colour codes in the lines;
+health probes and metrics scrapes log at DEBUG; the context limit says where it comes from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from server.logs import JsonFormatter, TextFormatter, UvicornLifespanAtDebug
+from server.model.kv_budget import KVBudget, plan_num_blocks
+from server.model.loader import LocatedModel, conversion_dir, loading_plan
+from tests.hub_cache import commit_of, model_files, write_snapshot
+from tests.live_server import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+HUB_ID = "tiny-org/tiny-llama"
+
+
+def uvicorn_record(msg: str, **extra: object) -> logging.LogRecord:
+    record = logging.makeLogRecord({"name": "uvicorn.error", "msg": msg, "levelno": logging.INFO})
+    record.levelname = "INFO"
+    record.__dict__.update(extra)
+    return record
+
+
+def test_lines_carry_no_colour_codes() -> None:
+    record = uvicorn_record(
+        "Uvicorn running on %s", color_message="Uvicorn running on \x1b[1m%s\x1b[0m"
+    )
+    record.args = ("http://127.0.0.1:8000",)
+    text = TextFormatter().format(record)
+    assert "color_message" not in text and "\x1b" not in text
+    assert "color_message" not in json.loads(JsonFormatter().format(record))
+
+
+@pytest.mark.parametrize("root_level", [logging.INFO, logging.DEBUG])
+def test_uvicorns_startup_complete_is_a_debug_line(root_level: int) -> None:
+    root = logging.getLogger()
+    before = root.level
+    root.setLevel(root_level)  # what --log-level sets
+    try:
+        quiet = UvicornLifespanAtDebug()
+        complete = uvicorn_record("Application startup complete.")
+        assert quiet.filter(complete) is (root_level == logging.DEBUG)
+        assert complete.levelname == "DEBUG"
+        assert quiet.filter(uvicorn_record("Uvicorn running on %s")) is True
+    finally:
+        root.setLevel(before)
+
+
+async def test_probes_and_scrapes_log_at_debug(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="beamline.access")
+    for path in ("/health", "/ready", "/metrics", "/v1/models"):
+        await client.get(path)
+    access = [r for r in caplog.records if r.name == "beamline.access"]
+    levels = {r.getMessage().split()[1]: r.levelname for r in access}
+    assert levels == {
+        "/health": "DEBUG",
+        "/ready": "DEBUG",
+        "/metrics": "DEBUG",
+        "/v1/models": "INFO",
+    }
+
+
+def plan_context(caplog: pytest.LogCaptureFixture, budget: KVBudget, **kwargs: object) -> str:
+    """The context-limit line of a CPU pool of 1 MiB blocks of 16 tokens, a 32k-token model."""
+    args: dict[str, object] = dict(
+        num_blocks=None,
+        bytes_per_block=2**20,
+        block_size=16,
+        device=torch.device("cpu"),
+        max_model_len=32768,
+        profile=lambda: 0,
+    )
+    with caplog.at_level(logging.INFO, logger="server.model.kv_budget"):
+        plan_num_blocks(budget, **{**args, **kwargs})  # type: ignore[arg-type]
+    return caplog.records[-1].getMessage()
+
+
+def test_the_context_limit_says_what_set_it(caplog: pytest.LogCaptureFixture) -> None:
+    cpu_auto = plan_context(caplog, KVBudget())  # 1 GiB = 1,024 blocks of 16 tokens
+    assert cpu_auto.startswith(
+        "max_model_len 16,384 tokens: what the KV pool (1,024 blocks of 16 tokens, 1.00 GiB: "
+        "kv_cache_memory auto = 1 GiB on the CPU) holds for one sequence (the model allows "
+        "32,768); --kv-cache-memory or --max-model-len to change"
+    )
+    by_blocks = plan_context(
+        caplog, KVBudget(max_model_len=8192), num_blocks=100, max_model_len=8192
+    )
+    assert "max_model_len 1,600 tokens" in by_blocks and "num_kv_blocks" in by_blocks
+    assert "--max-model-len asks 8,192" in by_blocks
+    whole = plan_context(caplog, KVBudget(kv_cache_bytes=4 * 2**30))
+    assert whole.startswith("max_model_len 32,768 tokens: the model's context length")
+
+
+def test_the_line_before_the_port_opens_says_whether_a_gguf_is_converted(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 1000)
+    first = loading_plan(LocatedModel(gguf, "m"), tmp_path)
+    assert first.startswith(f"loading m: converting {gguf} once into ")
+    assert "s on a 2-core CPU; later starts load the converted copy" in first
+    target = conversion_dir(gguf, tmp_path)
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    assert loading_plan(LocatedModel(gguf, "m"), tmp_path) == (
+        f"loading m from {target} (converted from m.gguf)"
+    )
+
+
+@pytest.mark.timeout(240)
+def test_a_served_hub_model_logs_loading_then_ready_and_no_noise(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """`beamline serve org/name` from a Hugging Face cache on disk, offline, as a user runs it."""
+    cache = tmp_path / "hf-cache"
+    snapshot = write_snapshot(cache, HUB_ID, model_files(llama_dir), commit_of("a"), ("main",))
+    port = free_port()
+    log = tmp_path / "server.log"
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "server.cli", "serve", HUB_ID, "--port", str(port)]
+    cmd += ["--num-kv-blocks", "16", "--block-size", "16", "--num-threads", "1"]
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == HUB_ID
+        body = {"model": HUB_ID, "prompt": "Hello", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    text = log.read_text()
+    loading = text.index(f"loading {HUB_ID} from {snapshot}; the port opens now")
+    assert (
+        loading
+        < text.index("Uvicorn running on")
+        < text.index(f"ready: serving {HUB_ID} on {url}, loaded in ")
+    )
+    assert "max_model_len 256 tokens: what the KV pool (16 blocks of 16 tokens" in text
+    assert "(the model allows 512)" in text
+    assert "Application startup complete" not in text and "Waiting for application" not in text
+    assert "color_message" not in text and "\x1b[" not in text
+    assert "GET /health" not in text and "POST /v1/completions 200" in text
+    assert proc.returncode == 0
