@@ -9,7 +9,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from benchmarks.gpu_kit import KIT_TESTS
+from benchmarks.kit.plans import KIT_TESTS
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_FORMATS = "tests.test_engine_correctness::test_fast_weight_formats_run_and_stay_close_to_fp32"

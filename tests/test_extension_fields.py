@@ -1,5 +1,6 @@
 """The list of request fields beyond OpenAI's (server/api/extension_fields.py) against the request
-models, vLLM's own field names (tests/fixtures/vllm_request_fields.json) and README's table."""
+models, vLLM's own field names (tests/fixtures/vllm_request_fields.json) and the docs' table
+(docs/reference/request-fields.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from server.api.extension_fields import BY_NAME, FIELDS, OPENAI_FIELDS, ExtensionField
-from server.api.field_docs import END, START, with_table
+from server.api.field_docs import END, PAGE, START, with_table
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, VLLMStreamOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ async def test_an_unlisted_unknown_field_is_still_unknown(client: httpx.AsyncCli
     assert (r.status_code, error["param"], error["code"]) == (400, "temprature", "unknown_field")
 
 
-def test_readme_table_is_generated_from_the_list() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert START in readme and END in readme
-    assert with_table(readme) == readme, "run: python -m server.api.field_docs"
+def test_the_docs_table_is_generated_from_the_list() -> None:
+    page = PAGE.read_text()
+    assert START in page and END in page
+    assert with_table(page) == page, "run: python -m server.api.field_docs"

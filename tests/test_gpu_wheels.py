@@ -14,17 +14,26 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from benchmarks.gpu_kit import KIT_TESTS
+from benchmarks.kit.plans import KIT_TESTS
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = ("server", "decoding", "benchmarks", "tests")
-# What the kit runs there: its steps' modules, the server they launch, and its tests (their
-# conftest and the helpers they import are followed from them).
+# The packages of the kit and of the benchmarks its steps run: every module of them is scanned.
+KIT_PACKAGES = ("benchmarks/kit", "benchmarks/serving")
+# What the kit runs there: itself, its steps' modules (serve, engine_overhead, random_models for
+# the model build) and their packages, the server they launch, and its tests (their conftest and
+# the helpers they import are followed from them).
 ROOTS = (
     "benchmarks/gpu_kit.py",
     "benchmarks/engine_overhead.py",
     "benchmarks/serve.py",
     "benchmarks/random_models.py",
+    *(
+        str(path.relative_to(REPO))
+        for package in KIT_PACKAGES
+        for path in sorted((REPO / package).iterdir())  # a package renamed: an error, not a gap
+        if path.suffix == ".py"
+    ),
     "server/cli.py",
     "tests/conftest.py",
     *sorted({t.split("::")[0] for t in KIT_TESTS}),

@@ -1,7 +1,9 @@
-"""README's table of the request fields beyond OpenAI's, generated from extension_fields.py.
+"""The docs' table of the request fields beyond OpenAI's, generated from extension_fields.py.
 
-`python -m server.api.field_docs [README.md]` rewrites the table between the two marker comments;
-tests/test_extension_fields.py fails while README's copy differs from what this renders.
+`python -m server.api.field_docs [PAGE]` rewrites the table between the two marker comments of
+docs/reference/request-fields.md (`python -m server.docgen` rewrites it with every other
+generated block); tests/test_extension_fields.py fails while the page's copy differs from what
+this renders.
 """
 
 from __future__ import annotations
@@ -31,17 +33,20 @@ def _row(f: ExtensionField) -> str:
     return f"| `{f.name}` | {endpoints} | {f.origin} | {SHOWN_STATUS[f.status]} | {meaning} |"
 
 
-def with_table(readme: str) -> str:
-    """`readme` with the generated table between the markers (which must both be there)."""
-    head, start, rest = readme.partition(START)
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "request-fields.md"
+
+
+def with_table(page: str) -> str:
+    """`page` with the generated table between the markers (which must both be there)."""
+    head, start, rest = page.partition(START)
     _, end, tail = rest.partition(END)
     if not start or not end:
-        raise ValueError(f"README lacks the markers {START!r} ... {END!r}")
+        raise ValueError(f"the page lacks the markers {START!r} ... {END!r}")
     return f"{head}{START}\n{render_table()}\n{END}{tail}"
 
 
 def main(argv: list[str]) -> int:
-    path = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / "README.md"
+    path = Path(argv[0]) if argv else PAGE
     text = path.read_text()
     updated = with_table(text)
     if updated != text:

@@ -1,0 +1,1 @@
+"""The parts of the GPU kit (`python -m benchmarks.gpu_kit`)."""

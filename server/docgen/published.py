@@ -1,0 +1,72 @@
+"""The index of benchmarks/published/: one row per published result, read from its JSON (date,
+host CPU when the run recorded it, the command for serving runs, and each system's output
+tokens/s per load level), so the performance history is the data itself."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+PUBLISHED = Path(__file__).resolve().parents[2] / "benchmarks" / "published"
+_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})")
+_LOCAL_ARGS = {"--out-dir", "--tag"}  # where a run wrote its files: not part of what it measured
+
+
+def render_published() -> str:
+    lines = ["| result | date | host CPU | command | output tok/s per system (c = ...) |"]
+    lines.append("|---|---|---|---|---|")
+    for path in sorted(PUBLISHED.glob("*.json"), key=lambda p: (_date(p), p.name)):
+        doc = json.loads(path.read_text())
+        doc = doc if isinstance(doc, dict) else {}
+        plot = " ([plot](../assets/published/{}))".format(path.with_suffix(".png").name)
+        shown = f"`{path.name}`{plot if path.with_suffix('.png').exists() else ''}"
+        lines.append(
+            f"| {shown} | {_date(path)} | {_host(doc)} | {_command(doc)} | {_throughput(doc)} |"
+        )
+    return "\n".join(lines)
+
+
+def _date(path: Path) -> str:
+    match = _DATE.search(path.name)
+    return match.group(1) if match else "-"
+
+
+def _host(doc: dict[str, Any]) -> str:
+    machine = doc.get("machine")
+    cpu = machine.get("cpu") if isinstance(machine, dict) else machine
+    cpu = cpu or doc.get("host_cpu") or doc.get("host")
+    return str(cpu).replace("|", "\\|") if cpu else "not recorded"
+
+
+def _command(doc: dict[str, Any]) -> str:
+    argv = doc.get("argv")
+    if not isinstance(argv, list) or doc.get("benchmark") not in ("serve", "structured"):
+        return "-"
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _LOCAL_ARGS:
+            skip = True
+        else:
+            kept.append(str(arg))
+    return f"`python -m benchmarks.serve {shlex.join(kept)}`".replace("|", "\\|")
+
+
+def _throughput(doc: dict[str, Any]) -> str:
+    systems = doc.get("systems")
+    if not isinstance(systems, dict):
+        return "-"
+    parts = []
+    for name, system in systems.items():
+        runs = [r for r in system.get("runs", []) if "output_throughput" in r.get("metrics", {})]
+        if not runs:
+            continue
+        levels = " / ".join(f"{r['x']:g}" for r in runs)
+        figures = " / ".join(f"{r['metrics']['output_throughput']:.1f}" for r in runs)
+        parts.append(f"{name}: {figures} (c = {levels})")
+    return "<br>".join(parts) or "-"
