@@ -19,7 +19,7 @@ from benchmarks.kit.plans import KIT_TESTS
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = ("server", "decoding", "benchmarks", "tests")
 # The packages of the kit and of the benchmarks its steps run: every module of them is scanned.
-KIT_PACKAGES = ("benchmarks/kit", "benchmarks/serving")
+KIT_PACKAGES = ("benchmarks/kit", "benchmarks/overhead", "benchmarks/serving")
 # What the kit runs there: itself, its steps' modules (serve, engine_overhead, random_models for
 # the model build) and their packages, the server they launch, and its tests (their conftest and
 # the helpers they import are followed from them).
