@@ -1,4 +1,5 @@
-"""Serving benchmark: beamline (or any OpenAI-compatible server) against HF and llama.cpp baselines.
+"""Benchmarks of beamline: serving against baselines on one machine, and the engine's own costs.
 
-Run `python -m benchmarks.serve --help`; see benchmarks/README.md.
+Each `python -m benchmarks.NAME` is `benchmarks/NAME.py`; see benchmarks/README.md (Layout) for
+which module holds what.
 """

@@ -11,7 +11,7 @@ from benchmarks.frontend.results import ModeResult
 
 THRESHOLD = 0.20  # the bar: above it, the engine gets its own process
 
-# What the server does not expose, and what is derived instead (see the module docstring).
+# What the server does not expose, and what is derived instead (see frontend_cost.py's docstring).
 MISSING_COUNTERS = [
     "no counter of the time spent inside engine steps (e.g. a step-seconds sum beside `steps`): "
     "over HTTP, ms per step is wall time / steps (idle gaps included) and the engine-alone time "
