@@ -1,7 +1,7 @@
-"""Structured outputs end on the default model (Gemma 3 270M): README's own examples, and a plain
+"""Structured outputs end on the default model (Gemma 3 270M): the docs' own examples, and a plain
 pydantic model as `parse()` and instructor's JSON_SCHEMA mode send it, unbounded numbers and all.
 
-Before objects were closed and numbers bounded (decoding/json_schemas.py), README's "every beam
+Before objects were closed and numbers bounded (decoding/json_schemas.py), the "every beam
 valid" example wrote `"population": 1000000000000...` on every beam until the context was full,
 and a pydantic schema (no `additionalProperties`) let the model invent keys until max_tokens.
 """
@@ -25,7 +25,7 @@ from server.model.loader import resolve_model_dir
 from tests.conftest import make_engine, serving_context
 
 pytestmark = pytest.mark.default_model
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "structured-outputs.md"
 SAFETY_NET = 400  # tokens: a reply that has not ended by then never would
 
 
@@ -37,10 +37,10 @@ class CityFacts(BaseModel):
     founded: int
 
 
-def readme_examples() -> list[dict]:
-    """The request bodies of README's structured-outputs block (`$C '...'` lines, `$S` filled)."""
-    section = README.read_text().split("### Structured outputs and tool calls", 1)[1]
-    block = section.split("```bash", 1)[1].split("```", 1)[0]
+def guide_examples() -> list[dict]:
+    """The request bodies of the structured-outputs guide's examples (its first bash block: `$C
+    '...'` lines, `$S` filled)."""
+    block = GUIDE.read_text().split("```bash", 1)[1].split("```", 1)[0]
     match = re.search(r"^S='(.*)'$", block, re.M)
     assert match is not None
     bodies = []
@@ -73,8 +73,8 @@ def schema_of(body: dict) -> dict | None:
     return fmt.get("json_schema", {}).get("schema") if fmt.get("type") == "json_schema" else None
 
 
-@pytest.mark.parametrize("body", readme_examples(), ids=lambda b: b["messages"][0]["content"])
-async def test_every_structured_example_in_the_readme_finishes(
+@pytest.mark.parametrize("body", guide_examples(), ids=lambda b: b["messages"][0]["content"])
+async def test_every_structured_example_in_the_guide_finishes(
     client: httpx.AsyncClient, body: dict
 ) -> None:
     r = await client.post("/v1/chat/completions", json={**body, "max_tokens": SAFETY_NET})
