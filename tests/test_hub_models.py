@@ -282,8 +282,7 @@ async def test_a_gguf_quant_from_the_cache_is_converted_and_served(hub_cache: Pa
             body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
             r = await client.post("/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        assert (
-            r.json()["model"] == f"{GGUF_REPO}:Q4_K_M" and "Paris" in r.json()["choices"][0]["text"]
-        )
+        assert r.json()["model"] == f"{GGUF_REPO}:Q4_K_M"
+        assert r.json()["choices"][0]["text"] == " the capital of the"  # the base model, greedy
     finally:
         ctx.engine.shutdown()

