@@ -114,7 +114,7 @@ def fetch_hub_model(model: HubModel, revision: str | None, allow_pickle: bool) -
             f"{model} (revision {revision}) is {why}, and HF_HUB_OFFLINE is set: unset it to "
             "download the model, or pass a local directory or .gguf file"
         )
-    return _download(model, revision, allow_pickle)
+    return _download(model, revision, allow_pickle, why)
 
 
 def choose_files(
@@ -200,9 +200,10 @@ def _model_path(snapshot: Path, files: list[str]) -> Path:
     return snapshot / gguf[0] if gguf else snapshot
 
 
-def _download(model: HubModel, revision: str, allow_pickle: bool) -> Path:
-    """Ask the hub what `revision` holds and download what serving needs into the cache."""
-    with _hub_errors(model, revision):
+def _download(model: HubModel, revision: str, allow_pickle: bool, why: str) -> Path:
+    """Ask the hub what `revision` holds and download what serving needs into the cache (`why`:
+    what the cache lacked, for the error if the hub cannot be reached)."""
+    with _hub_errors(model, revision, why):
         commit, sizes = remote_listing(model.repo_id, revision)
 
         def read_index(name: str) -> dict[str, Any]:
@@ -247,7 +248,7 @@ def download_files(repo_id: str, revision: str, files: list[str]) -> Path:
 
 
 @contextmanager
-def _hub_errors(model: HubModel, revision: str) -> Iterator[None]:
+def _hub_errors(model: HubModel, revision: str, why: str) -> Iterator[None]:
     """huggingface_hub's exceptions as one line each, saying what to do."""
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -275,6 +276,6 @@ def _hub_errors(model: HubModel, revision: str) -> Iterator[None]:
     except Exception as exc:  # network down, hub unavailable, disk full, ...
         detail = " ".join(str(exc).split())
         raise ModelNotFound(
-            f"{model} (revision {revision}) is not whole in the local Hugging Face cache, and "
-            f"fetching it from the hub failed: {type(exc).__name__}: {detail}"
+            f"{model} (revision {revision}) is {why}, and fetching it from the hub failed: "
+            f"{type(exc).__name__}: {detail}"
         ) from None
