@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def runs_engine_process(setting: str, device_type: str) -> bool:
     """`engine_process` auto: on CUDA, where a step takes milliseconds and the front end's share of
     the GIL is most of a step; off on the CPU, where the second process competes with the model's
-    compute threads for the same cores (README: Performance has the measurement)."""
+    compute threads for the same cores (docs/performance has the measurement)."""
     return setting == "on" or (setting == "auto" and device_type == "cuda")
 
 

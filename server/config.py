@@ -118,7 +118,7 @@ class ServerConfig(BaseModel):
         "auto",
         description="step the engine in a process of its own (its own GIL: the HTTP front end "
         "no longer takes the engine's steps) instead of a thread of the server's process; "
-        "auto = on on CUDA, off on the CPU (see README: Performance)",
+        "auto = on on CUDA, off on the CPU (see docs/guides/tuning.md)",
     )
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
     kv_cache_memory: KVSize = Field(

@@ -88,8 +88,8 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     if device.type == "cpu" and config.quantization == "none" and not config.torch_compile:
         log.info(
             "exact fp32 default; the fastest CPU setting is --quantization w8a8 --torch-compile: "
-            "about 2x the output tok/s at 1 request and 1.3x at 16 in README's runs, int8 (not "
-            "token-exact), and %s",
+            "about 2x the output tok/s at 1 request and 1.3x at 16 in the documented runs, int8 "
+            "(not token-exact), and %s",
             "about 1.5 min of compiling at its first start"
             if compiler_available(device)
             else "a C++ compiler, which this machine lacks on PATH",

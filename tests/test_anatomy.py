@@ -1,7 +1,7 @@
 """The shape of the code base: module sizes, import direction between layers, no import circles.
 
-These are the rules of README's Architecture section, checked on the source itself (ast), so that
-a change that grows a hub class or lets the scheduler import model code fails here.
+These are the rules of the architecture docs (docs/architecture), checked on the source itself
+(ast), so that a change that grows a hub class or lets the scheduler import model code fails here.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def _problem(error: dict[str, Any]) -> tuple[str | None, str, str]:
             return param, "unsupported", f"{param} is not supported by this server: {entry.meaning}"
         message = (
             f"unknown field {param!r}: this server does not implement it (fields that change "
-            "nothing here are accepted; see README, Request fields)"
+            "nothing here are accepted; see docs/reference/request-fields.md)"
         )
         return param, code, message
     return param, code, f"{param}: {error['msg']}" if param else str(error["msg"])

@@ -1,7 +1,8 @@
 """Every request field of /v1/completions and /v1/chat/completions beyond the OpenAI fields this
 server implements: vLLM's extensions, beamline's own (Hugging Face `generate()` names), and the
 OpenAI fields that change nothing here or are refused. One entry per field says what it does
-here; README's table is generated from this list (server/api/field_docs.py) and
+here; the docs' table (docs/reference/request-fields.md) is generated from this list
+(server/api/field_docs.py) and
 tests/test_extension_fields.py holds it to the request models and to vLLM's own field names.
 
 The rule: a field is implemented with vLLM's meaning, or accepted because it changes nothing in
@@ -22,7 +23,7 @@ COMPLETIONS: tuple[Endpoint, ...] = ("completions",)
 CHAT: tuple[Endpoint, ...] = ("chat",)
 BOTH: tuple[Endpoint, ...] = ("completions", "chat")
 
-# The OpenAI fields each endpoint implements (README's "Request fields" table explains them);
+# The OpenAI fields each endpoint implements (docs/reference/request-fields.md explains them);
 # `stream_options.include_usage` is one too.
 OPENAI_FIELDS: dict[Endpoint, frozenset[str]] = {
     "completions": frozenset(
@@ -170,7 +171,7 @@ FIELDS: tuple[ExtensionField, ...] = (
     _f("num_beams", BOTH, WORKS, BL, "beam search (with do_sample: beam sampling)", 2),
     _f("num_beam_groups", BOTH, WORKS, BL, "diverse (group) beam search", 1),
     _f("diversity_penalty", BOTH, WORKS, BL, "Hamming diversity between beam groups", 0.0),
-    _f("early_stopping", BOTH, WORKS, BL, "beam search stopping: true, false or \"never\""
+    _f("early_stopping", BOTH, WORKS, BL, "beam search stopping: true, false or \"never\"",
        "never"),
     _f("do_sample", BOTH, WORKS, BL, "sample (true) or not; with num_beams: beam sampling", False),
     # ---- OpenAI's ----

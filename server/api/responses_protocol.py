@@ -259,7 +259,7 @@ def validation_error(errors: list[Any]) -> APIError:
     if first["type"] == "extra_forbidden":
         message = (
             f"unknown field {param!r}: this server does not implement it (fields that change "
-            "nothing here are accepted; see README, Request fields)"
+            "nothing here are accepted; see docs/reference/request-fields.md)"
         )
         return bad_request(message, param, "unknown_field")
     message = f"{param}: {first['msg']}" if param else first["msg"]

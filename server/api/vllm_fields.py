@@ -1,7 +1,7 @@
 """vLLM's extension fields of /v1/completions and /v1/chat/completions, as request mixins.
 
 What each field does here (implemented, accepted with no effect, refused) is listed in
-server/api/extension_fields.py, the one place README's table is generated from. Fields that are
+server/api/extension_fields.py, the one place the docs' table is generated from. Fields that are
 refused are not declared: they stay unknown fields, a 400 naming them.
 """
 

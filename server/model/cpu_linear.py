@@ -15,7 +15,7 @@ a half of the speed of the same product with the weight stored [in, out] ("NN");
 hundreds (prefill) the two are equal. So on the CPU every linear layer of the decoder, and the LM
 head, keeps a contiguous transposed copy and computes `x @ W_t`. Same math, same dtype; only the
 summation order inside the GEMM may differ (last-bit rounding). CUDA keeps `nn.Linear`: cuBLAS has
-no such gap. Measured by `benchmarks/` (README, Performance).
+no such gap. Measured by `benchmarks/` (docs/performance).
 """
 
 from __future__ import annotations

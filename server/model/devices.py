@@ -71,7 +71,7 @@ def compiler_available(device: torch.device) -> bool:
 
 def pick_attention_backend(name: str, device: torch.device, compile_decode: bool) -> str:
     """auto: the paged-attention kernel on CUDA (gather with torch_compile, which inductor
-    traces), the gather path on the CPU (faster there: see README)."""
+    traces), the gather path on the CPU (faster there: see docs/guides/tuning.md)."""
     available = importlib.util.find_spec("triton") is not None
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if name == "auto":

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 CONVERSION_VERSION = 2  # bump when convert_gguf changes what it writes
-# The default model's GGUF (253 MB) took 67-92 s to convert on README's 2-core CPU (2026-11-26,
+# The default model's GGUF (253 MB) took 67-92 s to convert on the docs' 2-core CPU (2026-11-26,
 # docs/models.md); the start-up log scales 80 s by file size to say what a first start costs.
 MEASURED_CONVERSION_S_PER_GB = 80 / 0.253
 

@@ -1,4 +1,4 @@
-"""Opt-in weight formats for the CPU (see README, Performance, for speed and accuracy).
+"""Opt-in weight formats for the CPU (see docs/guides/tuning.md for speed and accuracy).
 
 `int8` quantizes the LM head only: an untied copy of it with int8 weights and per-output-channel
 scales, run with PyTorch's dynamic quantized kernels (activations quantized on the fly with one

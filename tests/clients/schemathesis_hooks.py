@@ -100,7 +100,7 @@ def _fill_empty_inputs(body: dict[str, Any]) -> None:
 @schemathesis.hook
 def map_case(ctx: Any, case: Any) -> Any:
     """Cheap generations: lengths capped. Schema-valid cases name the served model, carry the
-    inputs the server requires beyond the document (README's rules), and some stream."""
+    inputs the server requires beyond the document (the documented rules), and some stream."""
     body = case.body
     if not isinstance(body, dict):
         return case
