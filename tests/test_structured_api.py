@@ -177,11 +177,22 @@ async def test_null_means_default_and_ignored_fields_are_accepted(
         "max_tokens": None, "logit_bias": None, "response_format": None, "tools": None,
         "tool_choice": None, "stream_options": None, "presence_penalty": None,
         "frequency_penalty": None, "logprobs": None, "top_logprobs": None, "user": None,
-        "refusal": None,
     }  # fmt: skip
-    body = {**CHAT, **nulls, "messages": [{"role": "user", "content": "Hi", "name": None}]}
+    # a history echoed back as OpenAI's replies carry it: the assistant's refusal is null
+    history = [
+        {"role": "user", "content": "Hi", "name": None},
+        {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": None},
+        {"role": "user", "content": "Again"},
+    ]
+    body = {**CHAT, **nulls, "messages": history}
     r = await client.post("/v1/chat/completions", json={**body, "max_completion_tokens": 3})
     assert r.status_code == 200, r.text
+    # a null is "the default" only for a field the server has: an unknown one is still named
+    error = _error(await client.post("/v1/chat/completions", json={**body, "refusal": None}))
+    assert (error["param"], error["code"]) == ("refusal", "unknown_field"), error
+    refusing_user = {**CHAT, "messages": [{"role": "user", "content": "Hi", "refusal": "no"}]}
+    error = _error(await client.post("/v1/chat/completions", json=refusing_user))
+    assert error["param"] == "messages.0.refusal", error
     ignored = {
         "user": "u1",
         "metadata": {"k": "v"},

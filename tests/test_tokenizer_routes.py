@@ -47,6 +47,20 @@ async def test_tokenize_messages_as_chat_runs_them(client: httpx.AsyncClient) ->
     assert no_prompt.json()["count"] < r.json()["count"]
 
 
+async def test_an_assistant_refusal_is_in_the_prompt_as_what_it_said(
+    client: httpx.AsyncClient,
+) -> None:
+    said = "I can't help with that."
+    as_content = [*MESSAGES, {"role": "assistant", "content": said}, MESSAGES[0]]
+    as_refusal = [*MESSAGES, {"role": "assistant", "refusal": said}, MESSAGES[0]]
+    tokens = []
+    for messages in (as_content, as_refusal):
+        r = await client.post("/tokenize", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        tokens.append(r.json()["tokens"])
+    assert tokens[0] == tokens[1]
+
+
 async def test_detokenize_round_trips(client: httpx.AsyncClient) -> None:
     ids = (await client.post("/tokenize", json={"prompt": "café au lait"})).json()["tokens"]
     r = await client.post("/detokenize", json={"tokens": ids})

@@ -183,8 +183,20 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
-    # after role and tool_calls: whether it may be left out depends on them
+    # An assistant's refusal, as OpenAI's replies carry it (clients echo their history back): it
+    # is what the assistant said, so the prompt holds it where the content would be.
+    refusal: str | None = None
+    # after role, tool_calls and refusal: whether it may be left out depends on them
     content: str | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("refusal")
+    @classmethod
+    def _refusal_from_the_assistant(cls, refusal: str | None, info: ValidationInfo) -> object:
+        if refusal is not None and info.data.get("role") not in (None, "assistant"):
+            raise PydanticCustomError(
+                "invalid_value", "only an assistant message carries a refusal", {}
+            )
+        return refusal
 
     @field_validator("content")
     @classmethod
@@ -192,8 +204,8 @@ class ChatMessage(OpenAIModel):
         """As OpenAI: every message has content ("" counts), except an assistant's that carries
         tool calls."""
         role = info.data.get("role")
-        calls = role == "assistant" and info.data.get("tool_calls")
-        if content is not None or role is None or calls:
+        said = role == "assistant" and (info.data.get("tool_calls") or info.data.get("refusal"))
+        if content is not None or role is None or said:
             return content
         need = "content or tool_calls" if role == "assistant" else "content"
         raise PydanticCustomError(
@@ -204,8 +216,10 @@ class ChatMessage(OpenAIModel):
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part.text for part in self.content)
+            content = self.content or ""
+        else:
+            content = "".join(part.text for part in self.content)
+        return content + (self.refusal or "")
 
 
 class ChatCompletionRequest(SamplingFields, VLLMChatFields):
