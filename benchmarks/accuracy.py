@@ -23,6 +23,7 @@ from decoding import DecodingParams
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest
 from server.model.loader import resolve_model_dir
+from server.model.quantization import RescoredInt8Head
 from server.model.runner import ModelRunner
 
 HERE = Path(__file__).resolve().parent
@@ -41,9 +42,11 @@ def load_prompts(count: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines if line.strip()][:count]
 
 
-def perplexity(runner: ModelRunner, tokenizer, text: str) -> float:
+def perplexity(runner: ModelRunner, tokenizer, text: str) -> tuple[float, int | None]:
     """exp(mean next-token NLL) over `text`: the runner's decoder with transformers' own (non-paged)
-    attention, then the runner's LM head (quantized or not)."""
+    attention, then the runner's LM head (quantized or not). With an int8 head, also the worst
+    rank (0 = first) that the rescored top token held among the int8 logits before rescoring:
+    below RESCORED_CANDIDATES at every position means greedy never missed it."""
     ids = torch.tensor([tokenizer(text).input_ids], device=runner.device)
     model = runner.model
     saved = model.config._attn_implementation
@@ -52,12 +55,17 @@ def perplexity(runner: ModelRunner, tokenizer, text: str) -> float:
         with torch.inference_mode():
             hidden = runner.decoder(input_ids=ids).last_hidden_state[0, :-1]
             logits = runner.lm_head(hidden.to(runner.head_dtype)).float()
+            worst_rank = None
+            if isinstance(runner.lm_head, RescoredInt8Head):
+                approx = runner.lm_head.approximate(hidden.float())
+                picked = approx.gather(1, logits.argmax(dim=1, keepdim=True))
+                worst_rank = int((approx > picked).sum(dim=1).max())
             if runner.final_softcap is not None:
                 logits = torch.tanh(logits / runner.final_softcap) * runner.final_softcap
     finally:
         model.set_attn_implementation(saved)
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
-    return math.exp(float(nll))
+    return math.exp(float(nll)), worst_rank
 
 
 def greedy_outputs(
@@ -119,10 +127,13 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         outputs, tok_s = greedy_outputs(runner, tokenizer, prompts, args.tokens)
-        entry = {
-            "perplexity": round(perplexity(runner, tokenizer, text), 4),
+        ppl, worst_rank = perplexity(runner, tokenizer, text)
+        entry: dict[str, object] = {
+            "perplexity": round(ppl, 4),
             "greedy_tok_s_batch": round(tok_s, 1),
         }
+        if worst_rank is not None:
+            entry["worst_int8_rank_of_top_token"] = worst_rank
         if reference is None:
             reference = outputs
         else:

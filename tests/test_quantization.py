@@ -8,11 +8,14 @@ import torch
 from torch import nn
 
 from server.model.quantization import (
+    RESCORED_CANDIDATES,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
+    RescoredInt8Head,
     kernel_supports,
     quantize_decoder_w8a8,
     quantize_decoder_weights,
+    quantized_lm_head,
 )
 
 
@@ -86,7 +89,7 @@ class _MLP(nn.Module):
 def test_w8a8_keeps_down_proj_weight_only_and_quantizes_the_rest() -> None:
     model = nn.ModuleDict({"q_proj": nn.Linear(64, 32), "mlp": _MLP(64, 128), "odd": _MLP(64, 24)})
     assert quantize_decoder_w8a8(model, torch.device("cpu")) == 4
-    assert isinstance(model["q_proj"], Int8DynamicLinear)
+    assert isinstance(model["q_proj"], Int8WeightOnlyLinear)  # its input has outlier channels
     assert isinstance(model["mlp"].up_proj, Int8DynamicLinear)
     assert isinstance(model["mlp"].down_proj, Int8WeightOnlyLinear)
     assert isinstance(model["odd"].up_proj, Int8DynamicLinear)
@@ -98,3 +101,38 @@ def test_w8a8_keeps_down_proj_weight_only_and_quantizes_the_rest() -> None:
 def test_w8a8_is_cpu_only() -> None:
     with pytest.raises(ValueError, match="CPU only"):
         quantize_decoder_w8a8(nn.Linear(16, 16), torch.device("cuda"))
+
+
+@torch.inference_mode()
+def test_the_rescored_head_gives_every_candidate_its_exact_logit() -> None:
+    torch.manual_seed(4)
+    weight = torch.randn(5000, 64)
+    head = RescoredInt8Head(weight, candidates=32)
+    x = torch.randn(12, 64)
+    x[3] *= 40  # one loud row must not disturb the others
+    exact = x @ weight.t()
+    got = head(x)
+    top = exact.topk(8, dim=1).indices
+    # the floating-point top 8 are all among the rescored candidates: their logits are exact
+    assert torch.allclose(got.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(dim=1), exact.argmax(dim=1))
+    # the tail keeps int8 error, small against the logits' spread
+    assert float((got - exact).abs().max()) < 0.05 * float(exact.abs().max())
+    alone = torch.cat([head(x[i : i + 1]) for i in range(12)])
+    assert torch.equal(head(x), alone)
+
+
+@torch.inference_mode()
+def test_the_rescored_head_reads_the_models_weight_without_a_copy() -> None:
+    embedding = nn.Embedding(300, 32)
+    head = quantized_lm_head(nn.Linear(32, 300, bias=False), torch.device("cpu"), "int8")
+    assert isinstance(head, RescoredInt8Head) and head.candidates == RESCORED_CANDIDATES
+    tied = nn.Linear(32, 300, bias=False)
+    tied.weight = embedding.weight
+    head = quantized_lm_head(tied, torch.device("cpu"), "w8a8")
+    assert isinstance(head, RescoredInt8Head)
+    assert head.weight.data_ptr() == embedding.weight.data_ptr()
+    assert quantized_lm_head(tied, torch.device("cpu"), "none") is tied
+    small = RescoredInt8Head(torch.randn(10, 32))  # fewer tokens than candidates: all exact
+    x = torch.randn(2, 32)
+    assert torch.allclose(small(x), x @ small.weight.t(), atol=1e-5)

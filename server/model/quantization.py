@@ -1,9 +1,8 @@
-"""Opt-in weight formats for the CPU (see docs/guides/tuning.md for speed and accuracy).
+"""int8 weight formats for the CPU (docs/guides/tuning.md has their speed and accuracy); `w8a8` is
+the default on CPUs with int8 dot-product instructions (devices.resolve_quantization).
 
-`int8` quantizes the LM head only: an untied copy of it with int8 weights and per-output-channel
-scales, run with PyTorch's dynamic quantized kernels (activations quantized on the fly with one
-scale per call, so a row's logits depend slightly on the other rows of the step). With Gemma's
-262k-token vocabulary the head is most of a CPU step.
+`int8` quantizes the LM head only (`RescoredInt8Head`, below). With Gemma's 262k-token vocabulary
+the head is most of a CPU step.
 
 `int8-weights` adds *weight-only* int8 for the decoder's linear layers: int8 weights with
 per-output-channel scales, bf16 activations, no activation quantization. Quantizing the decoder
@@ -16,8 +15,19 @@ times int8 activations with one scale per token, quantized on the fly (`torch._i
 AVX-512 CPUs). At 16 rows this is about twice as fast as the weight-only kernel, which converts
 every weight to floating point and is compute-bound there. A per-*token* scale keeps each row's
 result independent of its batch-mates (the int32 sums are exact) and costs far less accuracy than a
-per-tensor one. The MLP's `down_proj` stays weight-only: its input (the gated GELU product) carries
-the outlier channels, and quantizing it too raised perplexity from 32.7 to 34.1 on the bundled text.
+per-tensor one. Four projections stay weight-only, because their inputs carry outlier channels:
+the MLP's `down_proj` (the gated GELU product; quantizing it too raised perplexity from 32.7 to
+34.1 on the bundled text) and the attention's `q_proj`, `k_proj` and `v_proj` (the normed hidden
+state: with them weight-only, perplexity went from 32.50 to 31.97 against fp32's 32.01; `q_proj`
+alone gave 32.15, `k_proj` and `v_proj` alone 32.65). The MLP's wide `gate_proj` and `up_proj`,
+most of the decoder's weights, keep the integer GEMM.
+
+Every int8 format runs the LM head as `RescoredInt8Head`: int8 x int8 logits for the whole
+vocabulary, then the top `RESCORED_CANDIDATES` of each row computed again exactly from the
+floating-point head weights. Greedy, beam search and top-k (k up to that count) therefore rank
+their candidates by the floating-point head's logits, as long as the floating-point top tokens are
+among the int8 top candidates (benchmarks/accuracy.py measures how far down they ever fall); only
+the far tail (what a softmax normalizer or a top-p mass adds up) keeps int8 error.
 
 `benchmarks/accuracy.py` reports perplexity and greedy agreement of each format against fp32.
 CPU only: every kernel here is a CPU kernel.
@@ -38,7 +48,7 @@ log = logging.getLogger(__name__)
 
 # Linear layers whose input has outlier channels that a per-token int8 scale would flatten:
 # under `w8a8` they keep int8 weights with floating-point activations.
-WEIGHT_ONLY_UNDER_W8A8 = frozenset({"down_proj"})
+WEIGHT_ONLY_UNDER_W8A8 = frozenset({"q_proj", "k_proj", "v_proj", "down_proj"})
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,23 +162,72 @@ def quantize_decoder_w8a8(decoder: torch.nn.Module, device: torch.device) -> int
     return dynamic + weight_only
 
 
+# How many of each row's int8 logits are computed again exactly. On Gemma 3 270M (262k vocabulary),
+# over every position of benchmarks/accuracy_text.txt, the floating-point top token never ranked
+# below third among the int8 logits (benchmarks/accuracy.py: worst_int8_rank_of_top_token).
+RESCORED_CANDIDATES = 64
+
+
+class RescoredInt8Head(torch.nn.Module):
+    """An LM head [vocab, hidden] run as an int8 GEMM, whose top `candidates` logits per row are
+    then replaced by the exact floating-point ones.
+
+    The int8 GEMM is PyTorch's dynamic quantized linear (fbgemm: twice as fast here as
+    `torch._int_mm` for this shape), which quantizes its whole input with one scale and zero point.
+    So that a row's logits never depend on its batch-mates, each row is first divided by its own
+    largest magnitude and a fixed row holding +1 and -1 joins the batch: the input's range is then
+    always [-1, 1], and each row is in effect quantized with its own scale. The floating-point
+    weight is the head's own (for a tied head, the embedding table, so keeping it costs nothing).
+    Takes and returns float32.
+    """
+
+    def __init__(self, weight: torch.Tensor, candidates: int = RESCORED_CANDIDATES) -> None:
+        super().__init__()
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        self.weight = weight.detach()  # shared with the model, not a parameter of this module
+        vocab, hidden = weight.shape
+        self.candidates = min(candidates, vocab)
+        plain = torch.nn.Sequential(torch.nn.Linear(hidden, vocab, bias=False))
+        plain[0].weight = torch.nn.Parameter(self.weight.float().clone(), requires_grad=False)
+        with warnings.catch_warnings():  # torch.ao prints a migration notice (to torchao) on use
+            warnings.simplefilter("ignore")
+            self.int8 = quantize_dynamic(plain, {torch.nn.Linear: per_channel_dynamic_qconfig})[0]
+        pin = torch.zeros(1, hidden)
+        pin[0, 0], pin[0, min(1, hidden - 1)] = 1.0, -1.0
+        self.range_row: torch.Tensor
+        self.register_buffer("range_row", pin)
+
+    def approximate(self, x: torch.Tensor) -> torch.Tensor:
+        """int8 logits [rows, vocab] of float32 rows [rows, hidden]."""
+        magnitude = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+        logits = self.int8(torch.cat([x / magnitude, self.range_row]))[:-1]
+        return logits.mul_(magnitude)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        logits = self.approximate(flat)
+        top = logits.topk(self.candidates, dim=1, sorted=False).indices
+        rows = self.weight[top].to(flat.dtype)  # [rows, candidates, hidden]
+        # a multiply and a sum, not a bmm: its reduction order, and so a row's logits, would
+        # change with the number of rows
+        logits.scatter_(1, top, (rows * flat.unsqueeze(1)).sum(dim=2))
+        return logits.view(*x.shape[:-1], logits.shape[-1])
+
+    def extra_repr(self) -> str:
+        vocab, hidden = self.weight.shape
+        return f"int8 {vocab} x {hidden}, top {self.candidates} rescored in {self.weight.dtype}"
+
+
 def quantized_lm_head(head: torch.nn.Module, device: torch.device, method: str) -> torch.nn.Module:
-    """The LM head to run: `head` itself, or an int8 copy of it (which takes float32 inputs)."""
+    """The LM head to run: `head` itself, or a RescoredInt8Head over its weight (which takes
+    float32 inputs)."""
     if method == "none":
         return head
-    if method not in QUANTIZATIONS:
+    if method not in QUANTIZATIONS or method == "auto":  # auto is resolved before loading
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
     if device.type != "cpu":
-        raise ValueError(
-            "int8 dynamic quantization runs on the CPU only; use --dtype bfloat16 on CUDA"
-        )
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    weight = cast(torch.Tensor, head.weight).detach().float()
-    untied = torch.nn.Sequential(torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False))
-    untied[0].weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
-    with warnings.catch_warnings():  # torch.ao prints a migration notice (to torchao) on use
-        warnings.simplefilter("ignore")
-        quantized = quantize_dynamic(untied, {torch.nn.Linear: per_channel_dynamic_qconfig})
-    log.info("LM head quantized: int8 weights, per-channel scales (%d x %d)", *weight.shape)
-    return quantized[0]
+        raise ValueError("int8 quantization runs on the CPU only; use --dtype bfloat16 on CUDA")
+    rescored = RescoredInt8Head(cast(torch.Tensor, head.weight))
+    log.info("LM head quantized: %s", rescored.extra_repr())
+    return rescored
