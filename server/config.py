@@ -58,10 +58,12 @@ class ServerConfig(BaseModel):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: DType = Field("auto", description="auto = bfloat16 on CUDA, float32 on the CPU")
     quantization: Quantization = Field(
-        "none",
+        "auto",
         description="CPU only. int8: int8 LM head; int8-weights: also weight-only int8 decoder "
         "layers; w8a8: int8 LM head, decoder layers as int8 x int8 GEMMs (per-token activation "
-        "scales)",
+        "scales); every int8 head re-scores each row's top candidates exactly; auto = w8a8 on a "
+        "CPU with int8 dot-product instructions (VNNI, AMX) when dtype is auto, else none "
+        "(--dtype float32 is the exact mode)",
     )
     linear_layout: Literal["auto", "onednn", "measured", "transposed", "native"] = Field(
         "auto",
@@ -81,9 +83,11 @@ class ServerConfig(BaseModel):
     num_threads: int | None = Field(
         None, ge=1, description="CPU threads of a model step (torch intra-op); empty = one per core"
     )
-    torch_compile: bool = Field(
-        False,
-        description="torch.compile the decode step; compiled at start-up (minutes on a small CPU)",
+    torch_compile: bool | None = Field(
+        None,
+        description="torch.compile the decode step, compiled at a first start (minutes on a small "
+        "CPU) and loaded from the cache dir at later starts; empty = on where quantization auto "
+        "chose w8a8 (the CPU default) and a C++ compiler is on PATH, else off",
     )
     cuda_graphs: bool = Field(
         True,

@@ -15,7 +15,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from server.config import ServerConfig, with_device_defaults
 from server.engine.engine import Engine
-from server.model.devices import compiler_available, pick_device, pick_dtype
+from server.model.devices import (
+    compiler_available,
+    pick_device,
+    pick_dtype,
+    resolve_quantization,
+    resolve_torch_compile,
+)
 from server.model.kv_budget import KVBudget
 from server.model.loader import default_cache_dir, resolve_model_dir
 from server.model.runner import ModelRunner
@@ -62,8 +68,14 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     log.info("torch intra-op threads: %d", torch.get_num_threads())
+    quantization = resolve_quantization(config.quantization, config.dtype, device)
+    compile_decode = resolve_torch_compile(
+        config.torch_compile, config.quantization, quantization, device
+    )
+    if config.quantization == "auto" and device.type == "cpu":
+        log.info("CPU default: %s", cpu_default_summary(quantization, compile_decode, device))
     compile_cache = (config.cache_dir or default_cache_dir()) / "compiled"
-    if config.torch_compile:  # inductor's kernels too, unless its cache is set elsewhere
+    if compile_decode:  # inductor's kernels too, unless its cache is set elsewhere
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
     runner = ModelRunner(
         model_dir,
@@ -78,22 +90,13 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
         ),
-        quantization=config.quantization,
+        quantization=quantization,
         linear_layout=config.linear_layout,
         attention_backend=config.attention_backend,
-        compile_decode=config.torch_compile,
+        compile_decode=compile_decode,
         compile_cache=compile_cache,
         cuda_graphs=config.cuda_graphs and device.type == "cuda",
     )
-    if device.type == "cpu" and config.quantization == "none" and not config.torch_compile:
-        log.info(
-            "exact fp32 default; the fastest CPU setting is --quantization w8a8 --torch-compile: "
-            "about 2x the output tok/s at 1 request and 1.3x at 16 in the documented runs, int8 "
-            "(not token-exact), and %s",
-            "about 1.5 min of compiling at its first start"
-            if compiler_available(device)
-            else "a C++ compiler, which this machine lacks on PATH",
-        )
     tokenizer = load_tokenizer(model_dir)
     engine = Engine(
         runner,
@@ -107,6 +110,21 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         speculative_tokens=config.num_speculative_tokens,
     )
     return LoadedEngine(engine, runner, tokenizer, model_dir, config)
+
+
+def cpu_default_summary(quantization: str, compiled: bool, device: torch.device) -> str:
+    """What `quantization auto` and an empty `torch_compile` chose on this CPU, and why."""
+    if quantization != "w8a8":
+        return (
+            "fp32, exact (no int8 dot-product instructions on this CPU, or an explicit --dtype); "
+            "--quantization w8a8 --torch-compile is the fast CPU setting"
+        )
+    said = "w8a8 (int8 GEMMs, the LM head's top candidates re-scored exactly)"
+    if compiled:
+        said += ", decode step compiled (about 1.5 min at a first start; later starts load it)"
+    elif not compiler_available(device):
+        said += ", not compiled: inductor needs a C++ compiler on PATH (g++ adds 1.3-1.5x)"
+    return said + "; --dtype float32 is the exact mode"
 
 
 def freeze_start_up_objects() -> None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from server.cli import main
-from server.model.devices import dtype_warning, quantization_problem
+from server.model import devices
+from server.model.devices import dtype_warning, quantization_problem, resolve_quantization
 from server.model.runner import ModelRunner
 
 
@@ -49,3 +50,29 @@ def test_float16_gemma_is_warned_about(
             num_blocks=8,
         )
     assert any("overflow float16" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype", "device", "want"),
+    [
+        ({"avx512_vnni", "avx512f"}, "auto", "cpu", "w8a8"),
+        ({"amx_int8"}, "auto", "cpu", "w8a8"),
+        ({"avx2"}, "auto", "cpu", "none"),  # no int8 dot products: int8 GEMMs are no faster
+        ({"avx512_vnni"}, "float32", "cpu", "none"),  # an explicit dtype is that precision
+        ({"avx512_vnni"}, "bfloat16", "cpu", "none"),
+        ({"avx512_vnni"}, "auto", "cuda", "none"),
+    ],
+)
+def test_quantization_auto_is_w8a8_only_on_cpus_with_int8_dot_products(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], dtype: str, device: str, want: str
+) -> None:
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset(flags))
+    assert resolve_quantization("auto", dtype, torch.device(device)) == want
+    assert resolve_quantization("int8", dtype, torch.device(device)) == "int8"  # as given
+    assert quantization_problem("auto", torch.device("cuda")) is None
+
+
+def test_the_cpu_flags_are_read() -> None:
+    flags = devices.cpu_flags()
+    if Path("/proc/cpuinfo").is_file() and "flags" in Path("/proc/cpuinfo").read_text():
+        assert "fpu" in flags or "sse2" in flags

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import server.loading
 from decoding import DecodingParams
 from server.config import ServerConfig, load_config
 from server.engine.engine import Engine
@@ -122,9 +123,9 @@ def served_config(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> ServerCon
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
-    [([], False), (["--torch-compile"], True), (["--no-torch-compile"], False)],
+    [([], None), (["--torch-compile"], True), (["--no-torch-compile"], False)],
 )
-def test_torch_compile_is_off_by_default_and_the_flag_reaches_the_server_config(
+def test_torch_compile_is_chosen_at_load_by_default_and_the_flag_reaches_the_server_config(
     argv: list[str], expected: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert served_config(argv, monkeypatch).torch_compile is expected
@@ -248,31 +249,50 @@ def test_the_cache_key_changes_with_model_flags_and_software(
 
 
 @pytest.mark.parametrize(
-    ("overrides", "path", "hint"),
+    ("overrides", "flags", "path", "said", "quantization", "compiled"),
     [
-        ({}, None, "about 1.5 min of compiling at its first start"),
-        ({}, "/nonexistent", "a C++ compiler, which this machine lacks on PATH"),
-        ({"quantization": "w8a8"}, None, None),
+        # the CPU default on a CPU with int8 dot products: w8a8, compiled when a compiler is there
+        ({}, {"avx512_vnni"}, None, "w8a8 (int8 GEMMs", "w8a8", True),
+        ({}, {"avx512_vnni"}, "/nonexistent", "needs a C++ compiler on PATH", "w8a8", False),
+        ({}, {"avx2"}, None, "fp32, exact", "none", False),  # no int8 dot products
+        ({"dtype": "float32"}, {"avx512_vnni"}, None, "fp32, exact", "none", False),  # exact mode
+        ({"quantization": "w8a8"}, {"avx512_vnni"}, None, None, "w8a8", False),  # as chosen
     ],
 )
-def test_the_exact_cpu_default_names_the_fastest_cpu_flags_at_start_up(
+def test_the_cpu_default_says_what_it_chose_at_start_up(
     llama_dir: Path,
     tmp_path: Path,
     overrides: dict[str, str],
+    flags: set[str],
     path: str | None,
-    hint: str | None,
+    said: str | None,
+    quantization: str,
+    compiled: bool,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    from server.model import devices
+
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset(flags))
     if path is not None:
         monkeypatch.setenv("PATH", path)
         monkeypatch.delenv("CXX", raising=False)
+    compiling: list[bool] = []
+    # the compile itself is tested above; here only whether the runner was asked for it
+    real_runner = server.loading.ModelRunner
+
+    def runner(*args: object, compile_decode: bool, **kwargs: object) -> object:
+        compiling.append(compile_decode)
+        return real_runner(*args, compile_decode=False, **kwargs)
+
+    monkeypatch.setattr(server.loading, "ModelRunner", runner)
     config = ServerConfig(model=str(llama_dir), cache_dir=tmp_path, num_kv_blocks=16, **overrides)
     with caplog.at_level(logging.INFO, logger="server.loading"):
-        load_engine(config)
-    said = [r.getMessage() for r in caplog.records if "fastest CPU setting" in r.getMessage()]
-    if hint is None:
-        assert said == []
+        loaded = load_engine(config)
+    lines = [r.getMessage() for r in caplog.records if "CPU default" in r.getMessage()]
+    if said is None:
+        assert lines == []
     else:
-        assert len(said) == 1 and hint in said[0]
-        assert "--quantization w8a8 --torch-compile" in said[0]
+        assert len(lines) == 1 and said in lines[0], lines
+    assert compiling == [compiled]
+    assert loaded.runner.quantization == quantization

@@ -92,6 +92,7 @@ class ModelRunner:
             raise ValueError(problem)  # before minutes of loading, not after
         self.device = device
         self.dtype = dtype
+        self.quantization = quantization
         self.block_size = block_size
         self.attention_backend = pick_attention_backend(attention_backend, device, compile_decode)
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
