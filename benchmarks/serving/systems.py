@@ -100,6 +100,12 @@ async def _measure(
     return await bench_server(args, target, workload, label, on_run), model
 
 
+def dtype_args(args: argparse.Namespace) -> list[str]:
+    """`--dtype` for a launched beamline only when given: left out, beamline serves its default
+    (the fast CPU default, or bfloat16 on CUDA), which is what its users get."""
+    return ["--dtype", args.dtype] if args.dtype else []
+
+
 def measure_server(
     args: argparse.Namespace,
     workload: Workload,
@@ -109,7 +115,7 @@ def measure_server(
     if not args.launch_beamline:
         res, model = asyncio.run(_measure(args, args.base_url, workload, on_run=on_run))
         return res, {"base_url": args.base_url, "model_name": model}
-    extra = ["--dtype", args.dtype, "--device", args.device, *shlex.split(args.beamline_args)]
+    extra = [*dtype_args(args), "--device", args.device, *shlex.split(args.beamline_args)]
     with launched_beamline(args.model, server_log_path(args), extra, args.launch_timeout) as (
         url,
         ready_s,
@@ -129,7 +135,7 @@ def measure_variants(args: argparse.Namespace, workload: Workload, progress: Pro
     False if one could not start (listed under `skipped`, and the next one runs)."""
     started_all = True
     for label, flags in args.variants:
-        extra = ["--dtype", args.dtype, "--device", args.device, *shlex.split(flags)]
+        extra = [*dtype_args(args), "--device", args.device, *shlex.split(flags)]
         log_path = server_log_path(args).with_name(f"beamline-{label}.log")
 
         def on_run(result: SystemResult, extra: list[str] = extra) -> None:
