@@ -164,7 +164,8 @@ def quantize_decoder_w8a8(decoder: torch.nn.Module, device: torch.device) -> int
 
 # How many of each row's int8 logits are computed again exactly. On Gemma 3 270M (262k vocabulary),
 # over every position of benchmarks/accuracy_text.txt, the floating-point top token never ranked
-# below third among the int8 logits (benchmarks/accuracy.py: worst_int8_rank_of_top_token).
+# below third among the int8 logits with the fp32 decoder, fourth with w8a8's
+# (benchmarks/accuracy.py: worst_int8_rank_of_top_token; 2026-11-26).
 RESCORED_CANDIDATES = 64
 
 
@@ -217,6 +218,9 @@ class RescoredInt8Head(torch.nn.Module):
     def extra_repr(self) -> str:
         vocab, hidden = self.weight.shape
         return f"int8 {vocab} x {hidden}, top {self.candidates} rescored in {self.weight.dtype}"
+
+    def __repr__(self) -> str:  # one line in the start-up log, not the int8 child's repr too
+        return f"{type(self).__name__}({self.extra_repr()})"
 
 
 def quantized_lm_head(head: torch.nn.Module, device: torch.device, method: str) -> torch.nn.Module:
