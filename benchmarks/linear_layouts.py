@@ -2,9 +2,11 @@
 
 The layouts of `server/model/cpu_linear.py` side by side in one process, on a random fp32 weight
 of the given shape (default: Gemma 3 270M's LM head, 262144 x 640) at several row counts: MKL with
-the weight as loaded (`nn.Linear`), MKL with it transposed, and oneDNN with it prepacked. Prints
-the best of `--repeats` calls per cell, in milliseconds, and the oneDNN speed-up over the better
-MKL layout.
+the weight as loaded (`nn.Linear`), MKL with it transposed, and oneDNN with it prepacked (fp32 and
+bf16); then the int8 LM head of `server/model/quantization.py` (fbgemm's int8 GEMM, each row
+quantized on its own, then each row's top 64 re-scored exactly), its int8 GEMM alone, and the
+same GEMM as `torch._int_mm` (int8 x int8 with per-token scales). Prints the best of `--repeats`
+calls per cell, in milliseconds, and the oneDNN speed-up over the better MKL layout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from server.model.cpu_linear import OneDNNLinear, onednn_available
+from server.model.quantization import Int8DynamicLinear, RescoredInt8Head
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -43,6 +46,15 @@ def time_layouts(
     }
     if onednn_available():
         layouts["oneDNN prepacked"] = OneDNNLinear.from_linear(linear)
+    if onednn_available(torch.bfloat16):
+        bf16 = OneDNNLinear.from_linear(
+            nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
+        )
+        layouts["oneDNN prepacked bf16"] = lambda x: bf16(x.to(torch.bfloat16))
+    head = RescoredInt8Head(linear.weight)
+    layouts["int8 head, top 64 re-scored"] = head
+    layouts["int8 head, GEMM only"] = head.approximate
+    layouts["torch._int_mm, per-token"] = Int8DynamicLinear(linear.weight, None)
     table: dict[str, list[float]] = {name: [] for name in layouts}
     for count in rows:
         x = torch.randn(count, in_features)
@@ -64,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     table = time_layouts(args.out_features, args.in_features, rows, args.repeats)
     print(f"{args.out_features} x {args.in_features} fp32, {torch.get_num_threads()} threads, ms")
-    print(f"{'layout':26}" + "".join(f"{r:>9} rows" for r in rows))
+    print(f"{'layout':30}" + "".join(f"{r:>9} rows" for r in rows))
     for name, times in table.items():
-        print(f"{name:26}" + "".join(f"{t:14.1f}" for t in times))
+        print(f"{name:30}" + "".join(f"{t:14.1f}" for t in times))
     if "oneDNN prepacked" in table:
         mkl = [min(a, b) for a, b in zip(*list(table.values())[:2])]
         ratios = [m / o for m, o in zip(mkl, table["oneDNN prepacked"])]
-        print(f"{'oneDNN speed-up':26}" + "".join(f"{r:13.2f}x" for r in ratios))
+        print(f"{'oneDNN speed-up':30}" + "".join(f"{r:13.2f}x" for r in ratios))
     return 0
 
 

@@ -1,7 +1,9 @@
-"""Seconds from `beamline serve` to a healthy server: a plain start, a first `--torch-compile`
-start (nothing compiled in the cache), and later compiled starts that load the cache.
+"""Seconds from `beamline serve` to a healthy server: a plain start (`--no-torch-compile`), a first
+compiled start (nothing compiled in the cache), and later compiled starts that load the cache.
 
-    python -m benchmarks.start_up --runs 3 --args "--quantization w8a8 --torch-compile"
+    python -m benchmarks.start_up --runs 3                 # the default (compiled on a CPU that
+                                                           # takes w8a8 and has a C++ compiler)
+    python -m benchmarks.start_up --args "--quantization w8a8 --torch-compile"
 
 Every start uses one cache directory (`--cache-dir`, default a fresh temporary one): the model is
 converted once before the timed starts, and the compiled entries (`<cache>/compiled`, inductor's
@@ -34,7 +36,7 @@ def time_start(model: str | None, cache: Path, args: list[str], log: Path) -> fl
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the default model")
-    parser.add_argument("--args", default="--quantization w8a8 --torch-compile")
+    parser.add_argument("--args", default="", help="the compiled starts' flags (default: none)")
     parser.add_argument("--runs", type=int, default=3, help="plain and warm compiled starts each")
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("/tmp/beamline-bench/start_up.json"))
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # beamline's own cache, as a user gets it
     cache = opts.cache_dir or Path(tempfile.mkdtemp(prefix="beamline-start-up-"))
     compiled_args = shlex.split(opts.args)
-    plain_args = [a for a in compiled_args if a != "--torch-compile"]
+    plain_args = [a for a in compiled_args if a != "--torch-compile"] + ["--no-torch-compile"]
     logs = opts.out.parent / "start_up_logs"
     print(f"cache {cache}; converting the model once", file=sys.stderr)
     time_start(opts.model, cache, plain_args, logs / "convert.log")
@@ -54,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         warm.append(time_start(opts.model, cache, compiled_args, logs / f"warm-{run}.log"))
     rows = [
         (f"plain: {shlex.join(plain_args) or '(defaults)'}", plain),
-        (f"first compiled: {shlex.join(compiled_args)}", [first]),
-        (f"later compiled: {shlex.join(compiled_args)}", warm),
+        (f"first compiled: {shlex.join(compiled_args) or '(defaults)'}", [first]),
+        (f"later compiled: {shlex.join(compiled_args) or '(defaults)'}", warm),
     ]
     print("| start | runs | min s | median s | max s |\n|---|---|---|---|---|")
     for name, times in rows:
