@@ -201,13 +201,22 @@ def test_a_later_start_loads_the_compiled_decode_step_from_the_cache_and_gives_h
 
 
 def test_an_unreadable_cache_entry_is_compiled_again_and_replaced(
-    tiny_model_dirs: dict[str, Path], tmp_path: Path
+    tiny_model_dirs: dict[str, Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     model_dir = tiny_model_dirs["gemma3"]
     first = compiled_engine(model_dir, compile_cache=tmp_path).runner.compiled_decode
     assert first is not None and first.directory is not None
     (first.directory / "decode-2.bin").write_bytes(b"truncated")
-    again = compiled_engine(model_dir, compile_cache=tmp_path)
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="server.model.compiled_decode"):
+        again = compiled_engine(model_dir, compile_cache=tmp_path)
+    # a compile says so before it starts, and shows a bar with one step per graph
+    assert "compiling the decode step (2 graphs" in caplog.text
+    bar = capsys.readouterr().err
+    assert "Compiling decode step" in bar and "2/2" in bar
     assert again.runner.compiled_decode is not None
     assert again.runner.compiled_decode.source == "compiled"
     assert (first.directory / "decode-2.bin").stat().st_size > 1000
