@@ -97,6 +97,27 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 @contextmanager
+def launched_command(
+    cmd: Sequence[str],
+    port: int,
+    log_path: Path,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """Start any OpenAI-compatible server's `cmd` (listening on loopback `port`), output to
+    `log_path`; yield its base URL once GET /health answers 200; stop it on exit."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"launching: {' '.join(cmd)}  (log: {log_path})", file=sys.stderr)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", timeout_s, proc)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop(proc)
+
+
+@contextmanager
 def launched_beamline(
     model: str | None, log_path: Path, extra_args: Sequence[str] = (), timeout_s: float = 600.0
 ) -> Iterator[tuple[str, float]]:

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from benchmarks.client import CompletionTarget, run_concurrency
-from benchmarks.launch import LaunchError, first_model_id, free_port, stop, wait_healthy
+from benchmarks.launch import LaunchError, first_model_id, free_port, launched_command
 from benchmarks.serving.report import Run, SystemResult
 from benchmarks.stats import summarize
 from benchmarks.workload import BenchRequest
@@ -138,15 +138,8 @@ def launched(
     port = free_port()
     threads = threads or os.cpu_count() or 1
     cmd = server_command(binary, gguf, port, slots, threads, ctx_per_slot, extra)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"launching: {' '.join(cmd)}  (log: {log_path})", file=sys.stderr)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", timeout_s, proc)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            stop(proc)
+    with launched_command(cmd, port, log_path, timeout_s) as url:
+        yield url
 
 
 def measure(

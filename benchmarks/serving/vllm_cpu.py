@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from benchmarks.client import CompletionTarget, run_concurrency
-from benchmarks.launch import LaunchError, first_model_id, free_port, stop, wait_healthy
+from benchmarks.launch import LaunchError, first_model_id, free_port, launched_command
 from benchmarks.serving.report import Run, SystemResult
 from benchmarks.stats import summarize
 from benchmarks.workload import BenchRequest
@@ -115,17 +115,9 @@ def launched(
     """Yield the base URL of a vLLM CPU server; stopped on exit."""
     port = free_port()
     cmd = server_command(python, model_dir, port, max_num_seqs, max_model_len)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"launching: {' '.join(cmd)}  (log: {log_path})", file=sys.stderr)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(threads_bind, kv_cache_gib)
-        )
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", timeout_s, proc)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            stop(proc)
+    env = server_env(threads_bind, kv_cache_gib)
+    with launched_command(cmd, port, log_path, timeout_s, env) as url:
+        yield url
 
 
 def measure(
