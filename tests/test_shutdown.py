@@ -24,11 +24,15 @@ import pytest
 
 from tests.live_server import free_port
 from tests.reliability_helpers import assert_openai_error, process_gone, sse_payloads
+from tests.tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_S = 120
-IN_FLIGHT_TOKENS = 200  # long enough to still be running while the drain is checked
-DRAIN_TIMEOUT_S = 20
+# The in-flight requests must outlast the drain checks by a wide margin however fast the CPU
+# default is: 4 rows of 3,000 tokens take seconds, the checks tens of milliseconds.
+IN_FLIGHT_TOKENS = 3000
+CONTEXT = 4096
+DRAIN_TIMEOUT_S = 90
 
 
 @dataclass
@@ -54,8 +58,16 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     pytest.fail(f"server not healthy after {STARTUP_S}s:\n{log.read_text()[-3000:]}")
 
 
+@pytest.fixture(scope="module")
+def long_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("long_llama") / "llama"
+    return build_tiny_model(path, "llama", max_position_embeddings=CONTEXT)
+
+
 @pytest.fixture(params=["off", "on"], ids=["engine-thread", "engine-process"])
-def served(llama_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
+def served(
+    long_llama_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Served]:
     port = free_port()
     log = tmp_path / "server.log"
     cmd = [
@@ -64,13 +76,13 @@ def served(llama_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> I
         "server.cli",
         "serve",
         "--model",
-        str(llama_dir),
+        str(long_llama_dir),
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
         "--num-kv-blocks",
-        "256",
+        str(4 * CONTEXT // 16 + 64),
         "--drain-timeout",
         str(DRAIN_TIMEOUT_S),
         "--num-threads",
@@ -102,7 +114,7 @@ BODY = {
 def streamed_request(url: str, started: threading.Event) -> int:
     """Stream a long completion; set `started` at the first event; return its completion tokens."""
     body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=DRAIN_TIMEOUT_S) as r:
         assert r.status_code == 200, r.read()
         text = ""
         for chunk in r.iter_text():
@@ -114,7 +126,7 @@ def streamed_request(url: str, started: threading.Event) -> int:
 
 
 def plain_request(url: str) -> int:
-    r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+    r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=DRAIN_TIMEOUT_S)
     assert r.status_code == 200, r.text
     return r.json()["usage"]["completion_tokens"]
 
@@ -131,7 +143,17 @@ def wait_in_flight(url: str, count: int, timeout: float = 30) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.timeout(240)
+def wait_draining(url: str, timeout: float = 5) -> httpx.Response:
+    """/ready once it answers 503, polled so the checks start as soon as the drain does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = httpx.get(f"{url}/ready", timeout=5)
+        if ready.status_code == 503 or time.monotonic() > deadline:
+            return ready
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(300)
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: Served) -> None:
     url = served.url
     assert "torch intra-op threads: 1" in served.log.read_text()  # --num-threads reached torch
@@ -150,9 +172,7 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: 
         if engine_pid is not None:  # as Ctrl-C or systemd would: the engine must keep going
             os.kill(engine_pid, signal.SIGINT)
             os.kill(engine_pid, signal.SIGTERM)
-        time.sleep(0.2)  # the handler runs on the server's event loop
-
-        ready = httpx.get(f"{url}/ready", timeout=5)
+        ready = wait_draining(url)  # the handler runs on the server's event loop
         assert_openai_error(ready, 503, code="draining")
         refused = httpx.post(
             f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=5
