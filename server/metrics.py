@@ -8,6 +8,7 @@ grow a new series for every typo.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -37,6 +38,8 @@ PREFIX = "beamline:"
 PROTOCOL_PREFIX = "vllm:"
 PROTOCOL_GAUGES = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc")
 CACHE_CONFIG_INFO = PROTOCOL_PREFIX + "cache_config_info"
+# The protocol's LoRA gauge: its labels name the adapters in use; the value is when they were set.
+LORA_REQUESTS_INFO = PROTOCOL_PREFIX + "lora_requests_info"
 
 
 def _check(value: str, allowed: Sequence[str], what: str) -> None:
@@ -74,6 +77,9 @@ class Metrics:
                 ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)"),
             )
         }
+        # LoRA's series exist once a server serves adapters (made at their first use)
+        self._lora_info: Gauge | None = None
+        self._lora_counter: Counter | None = None
         self._cache_config = Gauge(
             CACHE_CONFIG_INFO,
             "KV cache configuration (value 1): block size in tokens and blocks in the pool.",
@@ -163,6 +169,33 @@ class Metrics:
         self._cache_config.labels(
             self.model_name, str(block_size), str(num_blocks), str(prefix_caching)
         ).set(1)
+
+    def set_lora_state(
+        self, *, max_lora: int, running: Sequence[str], waiting: Sequence[str]
+    ) -> None:
+        """The adapters in use (one series: the previous label set is dropped)."""
+        if self._lora_info is None:
+            self._lora_info = Gauge(
+                LORA_REQUESTS_INFO,
+                "LoRA adapters of running and waiting requests (comma-separated names) and how "
+                "many can be resident at once; the value is the time they were last set (Gateway "
+                "API Inference Extension protocol).",
+                ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+                registry=self.registry,
+            )
+        self._lora_info.clear()
+        labels = (str(max_lora), ",".join(running), ",".join(waiting))
+        self._lora_info.labels(*labels).set(time.time())
+
+    def record_lora_request(self, adapter: str) -> None:
+        if self._lora_counter is None:
+            self._lora_counter = Counter(
+                PREFIX + "lora_requests_total",
+                "Requests admitted per LoRA adapter.",
+                ("model_name", "lora_name"),
+                registry=self.registry,
+            )
+        self._lora_counter.labels(self.model_name, adapter).inc()
 
     def observe_step(self, *, num_tokens: int, batch_size: int) -> None:
         self._iteration_tokens.observe(num_tokens)

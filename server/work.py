@@ -15,11 +15,17 @@ from decoding.logprobs import TokenLogprobs
 
 
 class Row(Protocol):
-    """What the model runner reads of a row: its tokens, how many are cached, where they live."""
+    """What the model runner reads of a row: its tokens, how many are cached, where they live,
+    which adapter it uses."""
 
     token_ids: list[int]
     num_computed: int  # tokens whose keys/values are in the cache
     block_table: list[int]
+
+    @property
+    def lora_slot(self) -> int:
+        """The LoRA adapter slot its tokens use; -1: the base model (read only with adapters)."""
+        ...
 
 
 RowT = TypeVar("RowT", bound=Row)

@@ -71,6 +71,9 @@ def make_engine(
     overlap_outputs: bool = False,
     speculative_tokens: int = 0,
     async_scheduling: bool = False,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
 ) -> Engine:
     runner = ModelRunner(
         model_dir,
@@ -78,6 +81,8 @@ def make_engine(
         dtype=torch.float32,
         block_size=block_size,
         num_blocks=num_blocks,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return Engine(
@@ -89,6 +94,7 @@ def make_engine(
         overlap_outputs=overlap_outputs,
         speculative_tokens=speculative_tokens,
         async_scheduling=async_scheduling,
+        max_cpu_loras=max_cpu_loras,
     )
 
 

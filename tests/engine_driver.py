@@ -20,6 +20,9 @@ class StubRequest:
     unscored_from: int | None = None
     priority: int = 0
     cache_salt: str | None = None
+    adapter: object | None = None  # no LoRA adapter
+    adapter_key: str | None = None
+    lora_slot: int = -1
 
 
 def stub_rows(token_ids: list[int], rows: int = 1) -> StubRequest:
@@ -63,10 +66,17 @@ class Collected:
 
 
 def submit(
-    engine: Engine, request_id: str, prompt_ids: list[int], params: DecodingParams
+    engine: Engine,
+    request_id: str,
+    prompt_ids: list[int],
+    params: DecodingParams,
+    adapter: str | None = None,
 ) -> Collected:
+    """`adapter`: the name of a LoRA adapter the engine serves (None: the base model)."""
     got = Collected()
-    engine.submit(EngineRequest(request_id, list(prompt_ids), params, got.outputs.append))
+    request = EngineRequest(request_id, list(prompt_ids), params, got.outputs.append)
+    request.adapter_name = adapter
+    engine.submit(request)
     return got
 
 

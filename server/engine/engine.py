@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from server.engine.adapters import AdapterRegistry, AdapterSlots, UnknownAdapter
 from server.engine.applying import ChoiceApplier
 from server.engine.block_pool import BlockPool
 from server.engine.endings import Endings
 from server.engine.in_flight import InFlight
-from server.engine.inbox import Inbox
+from server.engine.inbox import Inbox, UnloadAdapter
 from server.engine.output_processor import OutputProcessor
 from server.engine.prefix_cache import PrefixCache
 from server.engine.prompt_scoring import PromptScoring
@@ -40,6 +42,7 @@ from server.engine.scheduler import Scheduler
 from server.engine.speculation import Speculator, VerifyBatch
 from server.engine.stats import EngineStats, StatsRecorder
 from server.metrics import Metrics
+from server.model.lora import AdapterError, LoRAAdapter
 from server.model.runner import ModelRunner
 from server.work import WorkItem
 
@@ -60,6 +63,7 @@ class Engine:
         overlap_outputs: bool = False,
         speculative_tokens: int = 0,
         async_scheduling: bool = False,
+        max_cpu_loras: int | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -68,9 +72,17 @@ class Engine:
         capacity = runner.num_blocks * runner.block_size
         self.max_model_len = min(max_model_len or runner.max_position_embeddings, capacity)
         drafts = Speculator(speculative_tokens, self.max_model_len).propose  # n-gram; 0: off
+        # LoRA adapters (runner.lora: the model's slots): served names, and the slots' holders
+        self.adapters: AdapterRegistry | None = None
+        self.adapter_slots: AdapterSlots | None = None
+        if runner.lora is not None:
+            num_slots = runner.lora.num_slots
+            self.adapters = AdapterRegistry(runner.read_adapter, max_cpu_loras or num_slots)
+            self.adapter_slots = AdapterSlots(num_slots)
+        self._lora_state: tuple[list[str], list[str]] | None = None  # last published
         self.scheduler = Scheduler(
             self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache,
-            propose=drafts if speculative_tokens > 0 else None,
+            propose=drafts if speculative_tokens > 0 else None, adapters=self.adapter_slots,
         )  # fmt: skip
         self.eos_token_ids = runner.eos_token_ids(tokenizer)
         self.output = OutputProcessor(tokenizer, self.max_model_len)
@@ -108,6 +120,26 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put_abort(request_id)
 
+    def load_adapter(self, name: str, source: str) -> None:
+        """Serve the LoRA adapter at `source` as `name` (any thread; reads and checks its files:
+        lora.AdapterError, or ValueError when the name is taken or LoRA is off)."""
+        if self.adapters is None:
+            raise ValueError("LoRA adapters are not enabled on this server (max_loras is 0)")
+        self.adapters.add(name, source)
+        log.info("LoRA adapter %s loaded from %s", name, source)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name` (UnknownAdapter if not served); requests submitted before this
+        call still run with it."""
+        if self.adapters is None:
+            raise UnknownAdapter(name)
+        self._inbox.put_unload(self.adapters.remove(name))
+        log.info("LoRA adapter %s unloaded", name)
+
+    def adapter_names(self) -> dict[str, str]:
+        """Served adapter names and their sources."""
+        return self.adapters.names() if self.adapters is not None else {}
+
     def wait_for_work(self, timeout: float) -> None:
         if not self.scheduler.has_work():
             self._inbox.wait(timeout)
@@ -127,7 +159,12 @@ class Engine:
     # ---- admission and abort --------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         for item in self._inbox.drain():
-            if isinstance(item, EngineRequest):
+            if isinstance(item, UnloadAdapter):
+                if self.adapters is not None:
+                    self.adapters.forget(item.key)
+            elif isinstance(item, EngineRequest):
+                if item.adapter_name is not None and not self._resolve_adapter(item):
+                    continue
                 item.prepare(self.eos_token_ids, self.runner.device, self.max_model_len)
                 self.prompt_scoring.admit(item)
                 self._requests[item.request_id] = item
@@ -135,6 +172,42 @@ class Engine:
             elif (req := self._requests.get(item)) is not None:
                 self._land()  # its tokens in flight first: a row ends with what it has
                 self.endings.end_request(req, "abort")
+
+    def _resolve_adapter(self, request: EngineRequest) -> bool:
+        """Give `request` its adapter's weights; False (and the request failed) when there is no
+        such adapter, or its files can no longer be read."""
+        name = request.adapter_name
+        assert name is not None
+        try:
+            if self.adapters is None:
+                raise UnknownAdapter(name)
+            request.adapter = self.adapters.resolve(name)
+        except (UnknownAdapter, AdapterError) as exc:
+            detail = f"LoRA adapter {name!r} is not loaded"
+            if isinstance(exc, AdapterError):
+                detail = str(exc)
+            self.output.emit_end(request, "error", detail)
+            return False
+        if self.recorder.metrics is not None:
+            self.recorder.metrics.record_lora_request(name)
+        return True
+
+    def _install_adapters(self) -> None:
+        """Copy the adapters the scheduler just gave a slot into the model's slots, and publish
+        which adapters are in use when that changed."""
+        slots = self.adapter_slots
+        if slots is None:
+            return
+        for slot, weights in slots.take_installs():
+            self.runner.install_adapter(slot, cast(LoRAAdapter, weights))
+        metrics = self.recorder.metrics
+        if metrics is None:
+            return
+        waiting = sorted({r.adapter_name for r in self.scheduler.waiting if r.adapter_name})
+        state = (slots.running_names(), waiting)
+        if state != self._lora_state:
+            self._lora_state = state
+            metrics.set_lora_state(max_lora=slots.num_slots, running=state[0], waiting=state[1])
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -147,6 +220,7 @@ class Engine:
     def _step(self) -> bool:
         self._drain_inbox()
         plan = self.scheduler.schedule(speculate=self._in_flight is None)
+        self._install_adapters()
         self.recorder.schedule(len(plan.preempted), plan.cache_queries, plan.cache_hits)
         self.endings.record_state()
         if not plan.items:  # the last step's tokens and text, if they wait for a next step

@@ -2,7 +2,8 @@
 
 A full block is identified by a chained hash, sha256(parent block's hash + the block's token ids),
 so two blocks match only when everything before them matches too. A request's `cache_salt` (vLLM's
-field) is the parent of its first block: only requests with the same salt share blocks. A strong
+field) and its LoRA adapter are the parent of its first block: only requests with the same salt
+and the same adapter (the same load of it) share blocks. A strong
 hash makes a collision (which would silently serve wrong keys/values) practically impossible,
 without keeping the tokens.
 The hashes of a row's blocks are kept on its `Sequence` (forks copy them), each computed once.
@@ -24,11 +25,17 @@ from server.engine.request import Sequence
 ROOT_HASH = b""  # parent of a sequence's first block (unsalted)
 
 
-def root_hash(cache_salt: str | None) -> bytes:
-    """The parent of a sequence's first block: ROOT_HASH, or its request's salt's own."""
-    if cache_salt is None:
+def root_hash(cache_salt: str | None, adapter_key: str | None = None) -> bytes:
+    """The parent of a sequence's first block: ROOT_HASH (no salt, the base model), or the
+    hash of its request's salt and adapter."""
+    if cache_salt is None and adapter_key is None:
         return ROOT_HASH
-    return hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest()
+    parts = b""
+    if cache_salt is not None:
+        parts += b"cache_salt:" + cache_salt.encode()
+    if adapter_key is not None:  # a length prefix: no salt can imitate an adapter
+        parts += b"\x00lora:%d:" % len(adapter_key) + adapter_key.encode()
+    return hashlib.sha256(parts).digest()
 
 
 def hash_block(parent: bytes, tokens: Tokens[int]) -> bytes:
@@ -46,7 +53,9 @@ class PrefixCache:
         bs = self.pool.block_size
         while len(hashes) <= index:
             i = len(hashes)
-            parent = hashes[-1] if hashes else root_hash(seq.request.cache_salt)
+            parent = (
+                hashes[-1] if hashes else root_hash(seq.request.cache_salt, seq.request.adapter_key)
+            )
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[index]
 

@@ -17,6 +17,7 @@ from decoding import BeamSearch, DecodingParams, GroupBeamSearch, make_beam_sear
 from decoding.constraints import TokenConstraint
 from decoding.processors import PenaltyHistory
 from decoding.speculation import RowDrafts
+from server.engine.adapters import NO_SLOT, ResolvedAdapter
 from server.engine.detokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
@@ -147,6 +148,11 @@ class Sequence:
         """Tokens still to run through the model before this sequence can sample again."""
         return len(self.token_ids) - self.num_computed
 
+    @property
+    def lora_slot(self) -> int:
+        """The device slot of its request's LoRA adapter (NO_SLOT: the base model)."""
+        return self.request.lora_slot
+
 
 @dataclass(eq=False)
 class EngineRequest:
@@ -173,6 +179,9 @@ class EngineRequest:
     generated_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache when it was first scheduled
     finished: bool = False
+    adapter_name: str | None = None  # the LoRA adapter the client asked for (its `model`)
+    adapter: ResolvedAdapter | None = None  # its weights, once admitted (engine._drain_inbox)
+    lora_slot: int = NO_SLOT  # the device slot its adapter occupies while it runs
 
     def prepare(self, eos_ids: frozenset[int], device: torch.device, max_model_len: int) -> None:
         """Admission: the ids that end it, its seeded generator, its beam search, its first row
@@ -202,6 +211,11 @@ class EngineRequest:
     def cache_salt(self) -> str | None:
         """Prefix-cache blocks are shared only with requests of the same salt (prefix_cache.py)."""
         return self.params.cache_salt
+
+    @property
+    def adapter_key(self) -> str | None:
+        """Prefix-cache blocks are shared only with requests of the same adapter (and load)."""
+        return self.adapter.key if self.adapter is not None else None
 
     @property
     def unscored_from(self) -> int | None:

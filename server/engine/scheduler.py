@@ -18,6 +18,10 @@ share (drafts never preempt or delay anyone); once verified, the row keeps the a
 With prefix caching, a waiting request's rows first take over the cached blocks of their leading
 tokens (prefix_cache.py), so only the rest is computed and counted against the pool; a request that
 then cannot join gives them back.
+
+With LoRA adapters, a running request holds a device slot for its adapter (adapters.py); a waiting
+request whose adapter has no slot to go to is passed over until one frees, and the requests behind
+it may join meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from server.engine.adapters import NO_SLOT, AdapterSlots
 from server.engine.block_pool import BlockPool, OutOfBlocks
 from server.engine.prefix_cache import PrefixCache
 from server.engine.request import EngineRequest, Sequence
@@ -83,8 +88,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
         propose: Callable[[Sequence, int], list[int]] | None = None,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.pool = pool
+        self.adapters = adapters  # LoRA slots (None: no adapters served)
         self.prefix_cache = prefix_cache
         self.propose = propose  # drafts for a decoding row, at most the given count
         self.max_num_seqs = max_num_seqs
@@ -141,10 +148,27 @@ class Scheduler:
             for seq in request.rows:
                 self.prefix_cache.detach(seq)
 
+    def _adapter_waits(self, request: EngineRequest) -> bool:
+        """True when `request`'s adapter has no slot to go to now."""
+        adapter = request.adapter
+        return adapter is not None and not (
+            self.adapters is not None and self.adapters.can_hold(adapter)
+        )
+
+    def _hold_adapter(self, request: EngineRequest) -> None:
+        if request.adapter is not None and self.adapters is not None:
+            request.lora_slot = self.adapters.acquire(request.adapter)
+
+    def _free_adapter(self, request: EngineRequest) -> None:
+        if request.lora_slot != NO_SLOT and self.adapters is not None:
+            self.adapters.release(request.lora_slot)
+            request.lora_slot = NO_SLOT
+
     def _preempt(self, request: EngineRequest, plan: StepPlan) -> None:
         for seq in request.rows:
             self.pool.release(seq.block_table)
             seq.num_computed = 0
+        self._free_adapter(request)
         enqueue(self.waiting, request, preempted=True)
         plan.preempted.append(request)
 
@@ -169,10 +193,14 @@ class Scheduler:
             plan.items.extend(items)
             budget -= sum(item.num_new for item in items)
             i += 1
-        while self.waiting and budget > 0 and not plan.preempted:
-            request = self.waiting[0]
+        j = 0  # the first waiting request not passed over (its adapter waiting for a slot)
+        while j < len(self.waiting) and budget > 0 and not plan.preempted:
+            request = self.waiting[j]
             if self.running and self.num_running_rows + request.width > self.max_num_seqs:
                 break
+            if self._adapter_waits(request):
+                j += 1
+                continue
             queried, hit = self._attach_cached(request)  # revived blocks no longer count as free
             items = plan_rows(request.rows, budget)
             if not items or self._blocks_needed(items) > self.pool.num_free:
@@ -186,7 +214,8 @@ class Scheduler:
                 break
             plan.cache_queries += queried
             plan.cache_hits += hit
-            self.waiting.popleft()
+            del self.waiting[j]
+            self._hold_adapter(request)
             self.running.append(request)
             plan.items.extend(items)
             budget -= sum(item.num_new for item in items)
@@ -308,6 +337,7 @@ class Scheduler:
         """Take a finished or aborted request out and return all its blocks at once."""
         if request in self.running:
             self.running.remove(request)
+            self._free_adapter(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         for seq in request.rows:

@@ -279,3 +279,27 @@ def _hub_errors(model: HubModel, revision: str, why: str) -> Iterator[None]:
             f"{model} (revision {revision}) is {why}, and fetching it from the hub failed: "
             f"{type(exc).__name__}: {detail}"
         ) from None
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def fetch_hub_adapter(repo_id: str, revision: str = "main") -> Path:
+    """A peft LoRA adapter named by its hub id, as a model is: the cached snapshot when it holds
+    the adapter's config and safetensors weights, else (unless HF_HUB_OFFLINE) downloaded."""
+    snapshot = cached_snapshot(repo_id, revision)
+    if snapshot is not None and all((snapshot / f).is_file() for f in ADAPTER_FILES):
+        return snapshot
+    why = (
+        f"not in the local Hugging Face cache ({hub_cache_dir()})"
+        if snapshot is None
+        else f"incomplete in the local Hugging Face cache ({snapshot})"
+    )
+    if offline():
+        raise ModelNotFound(
+            f"adapter {repo_id} (revision {revision}) is {why}, and HF_HUB_OFFLINE is set: unset "
+            "it to download the adapter, or pass a local directory"
+        )
+    with _hub_errors(HubModel(repo_id), revision, why):
+        log.info("downloading adapter %s (revision %s) into %s", repo_id, revision, hub_cache_dir())
+        return download_files(repo_id, revision, list(ADAPTER_FILES))

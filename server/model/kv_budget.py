@@ -217,6 +217,7 @@ class ProfileRow:
     token_ids: list[int]
     num_computed: int
     block_table: list[int]
+    lora_slot: int = -1  # the base model
 
 
 def worst_case_items(

@@ -64,6 +64,7 @@ class ScratchRow:
     token_ids: list[int]
     num_computed: int
     block_table: list[int]
+    lora_slot: int = -1  # the base model
 
 
 def scratch_item(num_new: int, block_size: int) -> WorkItem[ScratchRow]:

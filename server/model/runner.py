@@ -9,11 +9,12 @@ and int8 quantizations (cpu_linear.py, quantization.py), and CUDA graphs of deco
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from server.model.kv_budget import (
     worst_case_items,
 )
 from server.model.kv_pool import AttentionBinding, KVLayout, paged_kernel
+from server.model.lora import LoRAAdapter, LoRAModules, load_adapter, target_modules
 from server.model.packing import (
     decode_inputs,
     pack_step,
@@ -82,6 +84,8 @@ class ModelRunner:
         compile_cache: Path | None = None,
         cuda_graphs: bool = False,
         attention_backend: str = "gather",
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         if compile_decode and not compiler_available(device):
             raise ValueError(
@@ -90,6 +94,12 @@ class ModelRunner:
             )
         if (problem := quantization_problem(quantization, device)) is not None:
             raise ValueError(problem)  # before minutes of loading, not after
+        if max_loras and (compile_decode or cuda_graphs):
+            log.warning(
+                "LoRA adapters are enabled: decode steps run eagerly (torch_compile and "
+                "cuda_graphs are off; their graphs have no per-row adapter input)"
+            )
+            compile_decode = cuda_graphs = False
         self.device = device
         self.dtype = dtype
         self.quantization = quantization
@@ -107,6 +117,7 @@ class ModelRunner:
         model = model.to(device)  # type: ignore[arg-type]  # transformers' .to() stub loses self
         self.model = model.eval()
         self.decoder = self.model.get_decoder()
+        lora_targets = target_modules(self.model)  # before quantization replaces the layers
         head = self.model.get_output_embeddings()
         self.vocab_size = head.weight.shape[0]
         self.lm_head = quantized_lm_head(head, device, quantization)
@@ -118,6 +129,20 @@ class ModelRunner:
             self.decoder, self.lm_head, linear_layout, device, compiled=compile_decode
         )
         log.info("linear layers: %s layout; LM head: %s", self.linear_layout, self.lm_head)
+        # LoRA adapters wrap the projections in their final form (quantized or not)
+        self.max_lora_rank = max_lora_rank
+        self.lora = (
+            LoRAModules(
+                self.model,
+                lora_targets,
+                num_slots=max_loras,
+                max_rank=max_lora_rank,
+                device=device,
+                dtype=dtype,
+            )
+            if max_loras
+            else None
+        )
         self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
@@ -286,6 +311,10 @@ class ModelRunner:
         logprobs of the positions the items ask to score. `deferred`: input tokens still on the
         device (the previous step's choices, not read back yet)."""
         self.kv_cache.copy_blocks(copies)
+        with self._adapters(items):
+            return self._execute(items, deferred)
+
+    def _execute(self, items: list[WorkItem], deferred: DeferredTokens | None) -> StepOutput:
         if items and all(item.num_new == 1 + len(item.draft) and item.samples for item in items):
             seqs = [item.seq for item in items]
             drafts = any(item.draft for item in items)
@@ -297,6 +326,30 @@ class ModelRunner:
                 inputs = verify_inputs(items) if drafts else decode_inputs(seqs)
                 return StepOutput(self._decode_step(*inputs, edit))
         return self._execute_packed(items, deferred)
+
+    @contextlib.contextmanager
+    def _adapters(self, items: Sequence[WorkItem]) -> Iterator[None]:
+        """Each item's LoRA adapter (its row's slot) applied to its tokens during the forward."""
+        lora = self.lora
+        if lora is None:
+            yield
+            return
+        lora.begin([(item.seq.lora_slot, item.num_new) for item in items], self.device)
+        try:
+            yield
+        finally:
+            lora.end()
+
+    def read_adapter(self, name: str, source: str) -> LoRAAdapter:
+        """An adapter's files checked against this model (lora.AdapterError when they do not
+        fit); any thread."""
+        assert self.lora is not None, "LoRA is not enabled (max_loras = 0)"
+        return load_adapter(name, source, self.lora.targets, self.max_lora_rank)
+
+    def install_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter` in device slot `slot` (the engine thread, between steps)."""
+        assert self.lora is not None, "LoRA is not enabled (max_loras = 0)"
+        self.lora.install(slot, adapter)
 
     def _execute_packed(
         self, items: Sequence[WorkItem], deferred: DeferredTokens | None = None
