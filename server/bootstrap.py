@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from server.api.sampling_defaults import describe, read_sampling_defaults
 from server.api.serving import ServingContext
@@ -42,7 +43,34 @@ def prepare_model(config: ServerConfig) -> ServerConfig:
         loading_plan(located, config.cache_dir),
     )
     name = config.served_model_name or located.name
-    return config.model_copy(update={"model": str(located.path), "served_model_name": name})
+    adapters = locate_adapters(config.lora_adapters(), name)
+    return config.model_copy(
+        update={
+            "model": str(located.path),
+            "served_model_name": name,
+            "lora_modules": [f"{n}={source}" for n, source in adapters.items()],
+        }
+    )
+
+
+def locate_adapters(adapters: dict[str, str], model_name: str) -> dict[str, str]:
+    """The start-up adapters with hub ids replaced by their local snapshots (downloaded when
+    the cache lacks them); an adapter named like the model is refused: `model` picks one."""
+    from server.model.hub import ModelNotFound, fetch_hub_adapter, parse_hub_id
+
+    located = {}
+    for name, source in adapters.items():
+        if name == model_name:
+            raise ModelNotFound(
+                f"LoRA adapter {name!r} has the served model's name: a request's `model` "
+                "could not choose between them (rename the adapter or set served_model_name)"
+            )
+        hub = parse_hub_id(source)
+        local = Path(source).expanduser()
+        if not local.exists() and hub is not None and hub.file is None:
+            local = fetch_hub_adapter(hub.repo_id)
+        located[name] = str(local)
+    return located
 
 
 def build_serving_context(config: ServerConfig) -> ServingContext:

@@ -49,6 +49,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                 _add_config_flag(group, name, ServerConfig.model_fields[name])
 
 
+# list keys whose flag takes several values at once (and may repeat), as vLLM's does
+SEVERAL_PER_FLAG = frozenset({"lora_modules"})
+
+
 def _add_config_flag(p: argparse._ActionsContainer, name: str, info: FieldInfo) -> None:
     """One flag for config key `name`; a list key takes a repeatable singular flag (--api-key)."""
     kind = _without_none(info.annotation)
@@ -57,6 +61,8 @@ def _add_config_flag(p: argparse._ActionsContainer, name: str, info: FieldInfo) 
     kwargs: dict[str, Any] = {"dest": name, "help": _help(info.description, default)}
     if kind is bool:
         kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+    elif name in SEVERAL_PER_FLAG:  # vLLM's spelling: --lora-modules a=x b=y
+        kwargs.update(nargs="+", action="extend")
     elif typing.get_origin(kind) is list:
         flag = flag.removesuffix("s")
         kwargs.update(action="append")

@@ -151,6 +151,32 @@ class ServerConfig(BaseModel):
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV blocks of prompt prefixes seen before"
     )
+    lora_modules: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapter served from start-up, as NAME=SOURCE: peft's files "
+        "(adapter_config.json + adapter_model.safetensors) in a local directory or a hub id "
+        "resolved like --model; a request picks it by its `model` field",
+    )
+    enable_lora: bool | None = Field(
+        None,
+        description="serve LoRA adapters (every projection gets device slots for them; the "
+        "decode step then runs eagerly); empty = on when lora_modules are given",
+    )
+    max_loras: int = Field(
+        4, ge=1, description="adapters resident on the device at once (rows of each share a step)"
+    )
+    max_lora_rank: int = Field(16, ge=1, le=512, description="largest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="adapters' weights kept in host memory (least recently used out, read again "
+        "from disk when asked for); empty = max_loras",
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "routes, behind the API key) to change the adapters while serving",
+    )
     max_n: int = Field(16, ge=1, description="largest n (choices) a request may ask for")
     max_best_of: int = Field(16, ge=1, description="largest best_of a request may ask for")
     max_num_beams: int = Field(16, ge=1, description="largest num_beams a request may ask for")
@@ -242,6 +268,40 @@ class ServerConfig(BaseModel):
                 f"widest request allowed ({widest}: max_n / max_best_of / max_num_beams)"
             )
         return self
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_list(cls, v: Any) -> Any:
+        """Env vars give NAME=SOURCE pairs as a comma- or space-separated string."""
+        return v.replace(",", " ").split() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _lora_settings(self) -> ServerConfig:
+        self.lora_adapters()  # NAME=SOURCE checked there
+        names = [entry.partition("=")[0].strip() for entry in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names each adapter once, got {names}")
+        if self.lora_modules and self.enable_lora is False:
+            raise ValueError("lora_modules are given but enable_lora is false")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        return self
+
+    def lora_adapters(self) -> dict[str, str]:
+        """`lora_modules` as {name: source}."""
+        adapters = {}
+        for entry in self.lora_modules:
+            name, sep, source = entry.partition("=")
+            if not sep or not name.strip() or not source.strip():
+                raise ValueError(f"lora_modules entries are NAME=SOURCE, got {entry!r}")
+            adapters[name.strip()] = source.strip()
+        return adapters
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_modules) if self.enable_lora is None else self.enable_lora
 
     @model_validator(mode="after")
     def _default_max_tokens_within_the_limit(self) -> ServerConfig:

@@ -15,6 +15,14 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "generation_config_defaults",
     ),
     "server": ("host", "port", "playground", "drain_timeout"),
+    "LoRA adapters": (
+        "lora_modules",
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
+        "allow_runtime_lora_updating",
+    ),
     "serving limits": (
         "max_waiting_requests",
         "default_max_tokens",

@@ -96,6 +96,8 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         compile_decode=compile_decode,
         compile_cache=compile_cache,
         cuda_graphs=config.cuda_graphs and device.type == "cuda",
+        max_loras=config.max_loras if config.lora_enabled else 0,
+        max_lora_rank=config.max_lora_rank,
     )
     tokenizer = load_tokenizer(model_dir)
     engine = Engine(
@@ -108,7 +110,10 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         overlap_outputs=overlaps_outputs(config.overlap_outputs, device.type),
         async_scheduling=schedules_async(config.async_scheduling, device.type),
         speculative_tokens=config.num_speculative_tokens,
+        max_cpu_loras=config.max_cpu_loras,
     )
+    for name, source in config.lora_adapters().items():  # lora.AdapterError says what is wrong
+        engine.load_adapter(name, source)
     return LoadedEngine(engine, runner, tokenizer, model_dir, config)
 
 

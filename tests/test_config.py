@@ -93,6 +93,8 @@ def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
         "--log-format", "--grammar-cache-size", "--grammar-compile-timeout", "--playground",
         "--no-playground", "--responses-store-size", "--default-max-tokens", "--max-tokens-limit",
         "--generation-config-defaults", "--no-generation-config-defaults",
+        "--lora-modules", "--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank",
+        "--max-cpu-loras", "--allow-runtime-lora-updating", "--no-allow-runtime-lora-updating",
     }  # fmt: skip
     dests = {a.dest for a in serve_parser()._actions} - {"help", "config"}
     assert dests == set(ServerConfig.model_fields) - CONFIG_ONLY_KEYS
@@ -115,3 +117,25 @@ def test_flags_parse_to_the_config_keys() -> None:
 def test_a_bad_flag_stops_argparse(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         serve_parser().parse_args(argv)
+
+
+def test_lora_modules_take_several_values_per_flag_and_are_checked() -> None:
+    args = serve_parser().parse_args(
+        ["--lora-modules", "a=/x", "b=org/adapter", "--lora-modules", "c=/z"]
+    )
+    assert args.lora_modules == ["a=/x", "b=org/adapter", "c=/z"]
+    cfg = load_config(None, {"lora_modules": args.lora_modules}, environ={})
+    assert cfg.lora_adapters() == {"a": "/x", "b": "org/adapter", "c": "/z"}
+    assert cfg.lora_enabled and not ServerConfig().lora_enabled
+    env = load_config(None, {}, environ={"BEAMLINE_LORA_MODULES": "a=/x,b=/y"})
+    assert env.lora_adapters() == {"a": "/x", "b": "/y"}
+    for bad, why in (
+        (["a"], "NAME=SOURCE"),
+        (["a=/x", "a=/y"], "each adapter once"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, {"lora_modules": bad}, environ={})
+    with pytest.raises(ConfigError, match="enable_lora is false"):
+        load_config(None, {"lora_modules": ["a=/x"], "enable_lora": False}, environ={})
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        load_config(None, {"max_loras": 4, "max_cpu_loras": 2}, environ={})

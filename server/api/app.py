@@ -29,6 +29,7 @@ from server.api import (
 )
 from server.api.errors import APIError, install_error_handlers
 from server.api.guards import APIKeyGuard, BodySizeGuard
+from server.api.lora_routes import install_lora_routes
 from server.api.middleware import RequestIdMiddleware
 from server.api.models_route import ModelList, model_list
 from server.api.openapi import describe_as_served
@@ -164,6 +165,8 @@ def create_app(
 
     if config.playground:
         playground.install_playground(app)
+    if config.allow_runtime_lora_updating:
+        install_lora_routes(app, state.require)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -257,7 +260,9 @@ def create_app(
                     request_id,
                     jobs,
                     body.include_usage,
-                    streaming.completion_chunk_maker(c, request_id),
+                    streaming.completion_chunk_maker(
+                        c, request_id, serving.reported_model(c, jobs[0])
+                    ),
                     continuous_usage=body.continuous_usage,
                 )
             )
@@ -274,7 +279,9 @@ def create_app(
         job = serving.chat_job(c, body)
         await serving.compile_constraints(c, [job])
         request_id = serving.new_request_id("chat", body.request_id)
-        make, first = streaming.chat_chunk_maker(c, request_id, body.n, job.tool_plan)
+        make, first = streaming.chat_chunk_maker(
+            c, request_id, body.n, job.tool_plan, serving.reported_model(c, job)
+        )
         stream = (
             (
                 lambda: streaming.stream_events(

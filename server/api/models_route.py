@@ -26,6 +26,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "beamline"
+    root: str | None = None  # vLLM's: the model's path, or a LoRA adapter's source
+    parent: str | None = None  # a LoRA adapter's base model (null for the base itself)
     max_model_len: int | None = None
     limits: ServerLimits | None = None
     # the model's sampling defaults that apply to fields a request leaves unset (empty: none)
@@ -38,15 +40,18 @@ class ModelList(BaseModel):
 
 
 def model_list(ctx: ServingContext) -> ModelList:
+    """The served model, then each LoRA adapter (by name, its `parent` the served model)."""
     cfg = ctx.config
     limits = ServerLimits(**{name: getattr(cfg, name) for name in ServerLimits.model_fields})
-    return ModelList(
-        data=[
-            ModelCard(
-                id=ctx.model_name,
-                max_model_len=ctx.max_model_len,
-                limits=limits,
-                sampling_defaults=ctx.sampling_defaults,
-            )
-        ]
+    base = ModelCard(
+        id=ctx.model_name,
+        root=cfg.model,
+        max_model_len=ctx.max_model_len,
+        limits=limits,
+        sampling_defaults=ctx.sampling_defaults,
     )
+    adapters = [
+        base.model_copy(update={"id": name, "root": source, "parent": ctx.model_name})
+        for name, source in sorted(ctx.engine.adapter_names().items())
+    ]
+    return ModelList(data=[base, *adapters])

@@ -21,7 +21,7 @@ from server.api.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from server.api.serving import Job, ServingContext
+from server.api.serving import Job, ServingContext, reported_model
 from server.engine.request import RequestOutput, TokenLogprob
 
 
@@ -29,7 +29,7 @@ from server.engine.request import RequestOutput, TokenLogprob
 def _engine_outputs(
     ctx: ServingContext, request_id: str, job: Job
 ) -> AsyncGenerator[RequestOutput, None]:
-    return ctx.engine.generate(request_id, job.prompt_ids, job.params, job.grammar)
+    return ctx.engine.generate(request_id, job.prompt_ids, job.params, job.grammar, job.adapter)
 
 
 async def run_jobs(
@@ -137,7 +137,7 @@ async def completion_response(
     choices, usage = await collect(ctx, request_id, jobs)
     return CompletionResponse(
         id=request_id,
-        model=ctx.model_name,
+        model=reported_model(ctx, jobs[0]),
         choices=[
             CompletionChoice(
                 index=i,
@@ -192,7 +192,7 @@ async def chat_response(ctx: ServingContext, request_id: str, job: Job) -> ChatC
     first = choices.get(0)
     return ChatCompletionResponse(
         id=request_id,
-        model=ctx.model_name,
+        model=reported_model(ctx, job),
         choices=[_chat_choice(ctx, job, i, c) for i, c in sorted(choices.items())],
         usage=usage,
         prompt_logprobs=vllm_prompt_logprobs(ctx, job, first.prompt if first else None),

@@ -105,7 +105,7 @@ class ResponseCall:
             "completed_at": int(time.time()) if status == "completed" else None,
             "error": error,
             "incomplete_details": {"reason": incomplete} if status == "incomplete" else None,
-            "model": self.ctx.model_name,
+            "model": serving.reported_model(self.ctx, self.job),
             "output": output,
             "usage": _usage(usage) if usage is not None else None,
             "instructions": req.instructions,

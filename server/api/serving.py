@@ -34,14 +34,26 @@ GUIDED_FIELDS = {
 
 
 # ---- request -> engine inputs ------------------------------------------------------------------
-def check_model(ctx: ServingContext, model: str | None) -> None:
-    if model is not None and model != ctx.model_name:
-        raise APIError(
-            404,
-            f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(ctx: ServingContext, model: str | None) -> str | None:
+    """The LoRA adapter `model` names (None: the base model, or no model given); 404 when it
+    names neither the served model nor an adapter."""
+    if model is None or model == ctx.model_name:
+        return None
+    adapters = ctx.engine.adapter_names()
+    if model in adapters:
+        return model
+    served = ", ".join(repr(m) for m in [ctx.model_name, *sorted(adapters)])
+    raise APIError(
+        404,
+        f"model {model!r} does not exist; this server serves {served}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def reported_model(ctx: ServingContext, job: Job) -> str:
+    """The `model` a response names: the adapter the request ran with, else the served model."""
+    return job.adapter or ctx.model_name
 
 
 def tokenize_prompt(
@@ -71,10 +83,11 @@ class Job:
     echo_logprobs: int | None = None  # completions with echo + logprobs k: the prompt's, top k
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k, sent as its own field
     return_token_ids: bool = False  # vLLM's: prompt and output token ids in the response
+    adapter: str | None = None  # the LoRA adapter it runs with (the request's `model`)
 
 
 def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
-    check_model(ctx, req.model)
+    adapter = check_model(ctx, req.model)
     if req.suffix:
         raise bad_request(
             "suffix is not supported (no fill-in-the-middle)", "suffix", "unsupported"
@@ -107,6 +120,7 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
         job.echo_logprobs = req.logprobs if req.echo else None
         job.prompt_logprobs = req.prompt_logprobs
         job.return_token_ids = req.return_token_ids
+        job.adapter = adapter
         jobs.append(job)
     return jobs
 
@@ -179,7 +193,7 @@ def _echo_text(ctx: ServingContext, prompt: str | list[int], ids: list[int]) -> 
 
 
 def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
-    check_model(ctx, req.model)
+    adapter = check_model(ctx, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     plan = tools.plan_tools(req, ctx.tokenizer.chat_template)
@@ -207,6 +221,7 @@ def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
         tool_plan=plan if plan.tools else None,
         prompt_logprobs=req.prompt_logprobs,
         return_token_ids=req.return_token_ids,
+        adapter=adapter,
     )
 
 

@@ -117,7 +117,8 @@ class ChunkInput:
 ChunkMaker = Callable[[ChunkInput | None], dict]  # None: the closing usage chunk
 
 
-def completion_chunk_maker(ctx: ServingContext, request_id: str) -> ChunkMaker:
+def completion_chunk_maker(ctx: ServingContext, request_id: str, model: str) -> ChunkMaker:
+    """Chunks of a completion stream; `model`: the id they name (serving.reported_model)."""
     created = int(time.time())
     offsets: dict[int, int] = {}  # text_offset so far, per choice: token texts sent
 
@@ -147,7 +148,7 @@ def completion_chunk_maker(ctx: ServingContext, request_id: str) -> ChunkMaker:
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": ctx.model_name,
+            "model": model,
             "choices": choices,
         }
 
@@ -155,7 +156,11 @@ def completion_chunk_maker(ctx: ServingContext, request_id: str) -> ChunkMaker:
 
 
 def chat_chunk_maker(
-    ctx: ServingContext, request_id: str, n: int, tool_plan: tools.ToolPlan | None = None
+    ctx: ServingContext,
+    request_id: str,
+    n: int,
+    tool_plan: tools.ToolPlan | None = None,
+    model: str | None = None,
 ) -> tuple[ChunkMaker, list[dict]]:
     """Chunks of a chat stream. With tools, each choice's text goes through a `ReplyStream`,
     which holds back what may be a call; calls are sent whole when the choice ends."""
@@ -164,7 +169,7 @@ def chat_chunk_maker(
 
     def chunk(choices: list[ChatChunkChoice]) -> dict:
         body = ChatCompletionChunk(
-            id=request_id, created=created, model=ctx.model_name, choices=choices
+            id=request_id, created=created, model=model or ctx.model_name, choices=choices
         ).model_dump(exclude={"usage"})
         for choice in body["choices"]:  # OpenAI sends only the delta fields that are set
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}

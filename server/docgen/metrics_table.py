@@ -13,6 +13,8 @@ def metric_families() -> list[tuple[str, str, list[str], str]]:
     """(exposed name, type, labels, help) of every family, in registration order."""
     metrics = Metrics("model")
     metrics.set_cache_config(block_size=16, num_blocks=1, prefix_caching=True)  # its labels
+    metrics.set_lora_state(max_lora=1, running=[], waiting=[])  # served with LoRA adapters only
+    metrics.record_lora_request("adapter")
     found = []
     for family in metrics.registry.collect():
         labels = sorted({k for s in family.samples for k in s.labels} - {"le"})

@@ -20,7 +20,14 @@ ROUTES: dict[tuple[str, str], str] = {
     "404 once it has left the store",
     ("GET", "/v1/models"): "the served model (`id`, `max_model_len`), the sampling defaults that "
     "apply and, a beamline extension, the server's `limits` (`max_n`, `max_best_of`, "
-    "`max_num_beams`, `max_logprobs`, ...)",
+    "`max_num_beams`, `max_logprobs`, ...); then each LoRA adapter, its `parent` the served "
+    "model and its `root` where its files came from",
+    ("POST", "/v1/load_lora_adapter"): "vLLM's: `{lora_name, lora_path}` serves a LoRA adapter "
+    "(a directory or a hub id) under that name; 400 when its files do not fit the model; only "
+    "with `allow_runtime_lora_updating`",
+    ("POST", "/v1/unload_lora_adapter"): "vLLM's: `{lora_name}` stops serving it (requests "
+    "already running finish with it); 404 for a name not served; only with "
+    "`allow_runtime_lora_updating`",
     ("POST", "/tokenize"): "vLLM's shape: `{prompt}` gives the ids `/v1/completions` runs, "
     "`{messages, tools, ...}` the ids `/v1/chat/completions` runs; answers `{count, "
     "max_model_len, tokens, token_strs}`",
@@ -47,9 +54,10 @@ ROUTES: dict[tuple[str, str], str] = {
 
 
 def app_routes() -> list[tuple[str, str]]:
-    """(method, path) of every route of the app built with the default configuration."""
+    """(method, path) of every route of the app built with the default configuration, and the
+    routes only a setting turns on."""
     found = []
-    for route in create_app(config=ServerConfig()).routes:
+    for route in create_app(config=ServerConfig(allow_runtime_lora_updating=True)).routes:
         if isinstance(route, (APIRoute, Route)):
             for method in sorted((route.methods or set()) - {"HEAD"}):
                 found.append((method, route.path))

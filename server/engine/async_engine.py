@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from decoding import DecodingParams
 from decoding.grammar import Grammar
-from server.engine.client import EngineDead, KVCapacity, stream_outputs
+from server.engine.client import AdapterLoadError, EngineDead, KVCapacity, stream_outputs
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput
 from server.logs import request_id_var
@@ -118,6 +118,20 @@ class AsyncEngine:
         enough read from another thread: each value is one int read."""
         return self.engine.stats_snapshot()
 
+    def adapter_names(self) -> dict[str, str]:
+        """Served LoRA adapters and their sources."""
+        return self.engine.adapter_names()
+
+    async def load_adapter(self, name: str, source: str) -> None:
+        """Read, check and serve an adapter (off the event loop: it reads files)."""
+        try:
+            await asyncio.to_thread(self.engine.load_adapter, name, source)
+        except ValueError as exc:  # lora.AdapterError, a taken name, LoRA off
+            raise AdapterLoadError(str(exc)) from None
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self.engine.abort("")  # wakes the loop
@@ -129,9 +143,11 @@ class AsyncEngine:
         prompt_ids: list[int],
         params: DecodingParams,
         grammar: Grammar | None = None,
+        adapter: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished
-        (client.stream_outputs); its rows are constrained by `grammar` when given."""
+        (client.stream_outputs); its rows are constrained by `grammar` when given, and run
+        with the LoRA `adapter` of that name when given."""
         if not self.alive:
             raise EngineDead("engine is not running")
         loop = asyncio.get_running_loop()
@@ -140,15 +156,15 @@ class AsyncEngine:
         def emit(out: RequestOutput) -> None:  # the engine thread only; delivered by _flush
             self._outbox.append((loop, (outputs, out)))
 
-        self.engine.submit(
-            EngineRequest(
-                request_id,
-                prompt_ids,
-                params,
-                emit,
-                trace_id=request_id_var.get(),
-                constraint=grammar.new_constraint() if grammar is not None else None,
-            )
+        request = EngineRequest(
+            request_id,
+            prompt_ids,
+            params,
+            emit,
+            trace_id=request_id_var.get(),
+            constraint=grammar.new_constraint() if grammar is not None else None,
         )
+        request.adapter_name = adapter
+        self.engine.submit(request)
         async for out in stream_outputs(outputs, lambda: self.engine.abort(request_id)):
             yield out

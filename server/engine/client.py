@@ -22,6 +22,11 @@ class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class AdapterLoadError(ValueError):
+    """A LoRA adapter that could not be loaded: its files do not fit the model, its name is
+    taken, or adapters are off; the message says which."""
+
+
 @dataclass(frozen=True)
 class KVCapacity:
     """The KV-cache pool's size, for checks the front end makes before it submits a request."""
@@ -67,9 +72,24 @@ class EngineClient(Protocol):
         prompt_ids: list[int],
         params: DecodingParams,
         grammar: Grammar | None = None,
+        adapter: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished (each row
-        constrained by `grammar`, when given). Leaving the iteration early aborts the request."""
+        constrained by `grammar`, when given; through the LoRA `adapter` of that name, when
+        given). Leaving the iteration early aborts the request."""
+        ...
+
+    def adapter_names(self) -> dict[str, str]:
+        """The LoRA adapters served now: name -> source (directory or hub id)."""
+        ...
+
+    async def load_adapter(self, name: str, source: str) -> None:
+        """Serve the adapter at `source` as `name`; AdapterLoadError says why not."""
+        ...
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name` (adapters.UnknownAdapter if it is not served); requests already
+        submitted finish with it."""
         ...
 
 

@@ -10,6 +10,8 @@ client reports itself dead (/health answers 503).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import multiprocessing
 import queue
@@ -20,18 +22,22 @@ from collections.abc import AsyncGenerator
 from decoding import DecodingParams
 from decoding.grammar import Grammar
 from server.config import ServerConfig
-from server.engine.client import EngineDead, KVCapacity, stream_outputs
+from server.engine.adapters import UnknownAdapter
+from server.engine.client import AdapterLoadError, EngineDead, KVCapacity, stream_outputs
 from server.engine.request import RequestOutput
 from server.logs import request_id_var
 from server.metrics import Metrics
 from server.process.messages import (
     Abort,
+    AdapterLoaded,
     Died,
+    LoadAdapter,
     Outputs,
     Ready,
     Shutdown,
     StartupFailed,
     Submit,
+    UnloadAdapter,
 )
 from server.process.metrics_relay import replay
 from server.process.worker import run_engine_process
@@ -39,6 +45,7 @@ from server.process.worker import run_engine_process
 log = logging.getLogger(__name__)
 
 Consumer = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput]", int]  # + prompt len
+Outgoing = Submit | Abort | LoadAdapter | UnloadAdapter | Shutdown
 
 
 class EngineStartupError(RuntimeError):
@@ -77,7 +84,11 @@ class EngineProcessClient:
         self._child_conn = child_conn
         self.metrics = metrics
         self._consumers: dict[str, Consumer] = {}
-        self._outgoing: queue.SimpleQueue[Submit | Abort | Shutdown] = queue.SimpleQueue()
+        self._outgoing: queue.SimpleQueue[Outgoing] = queue.SimpleQueue()
+        # LoRA adapters as the engine process serves them, kept here as its answers arrive
+        self._adapters: dict[str, str] = {}
+        self._adapter_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
+        self._call_ids = itertools.count()
         self._ready: Ready | None = None
         self._stats: dict[str, int | float | bool] = {}
         self.error: str | None = None
@@ -99,6 +110,7 @@ class EngineProcessClient:
             raise EngineStartupError(message.message)
         assert isinstance(message, Ready), message
         self._ready = message
+        self._adapters = dict(message.adapters)
         self._stats = message.stats
         replay(message.metric_events, self.metrics)
         threading.Thread(target=self._read, name="beamline-engine-reader", daemon=True).start()
@@ -143,6 +155,7 @@ class EngineProcessClient:
         prompt_ids: list[int],
         params: DecodingParams,
         grammar: Grammar | None = None,
+        adapter: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self.alive:
             raise EngineDead("engine is not running")
@@ -152,7 +165,8 @@ class EngineProcessClient:
             self._consumers.pop(request_id, None)
             raise EngineDead("engine is not running")
         spec = grammar.spec if grammar is not None else None
-        self._outgoing.put(Submit(request_id, prompt_ids, params, request_id_var.get(), spec))
+        trace_id = request_id_var.get()
+        self._outgoing.put(Submit(request_id, prompt_ids, params, trace_id, spec, adapter))
 
         def abort() -> None:
             if self._consumers.pop(request_id, None) is not None:
@@ -160,6 +174,48 @@ class EngineProcessClient:
 
         async for out in stream_outputs(outputs, abort):
             yield out
+
+    # ---- LoRA adapters --------------------------------------------------------------------------
+    def adapter_names(self) -> dict[str, str]:
+        return dict(self._adapters)
+
+    async def load_adapter(self, name: str, source: str) -> None:
+        """Ask the engine process to load an adapter and wait for its answer."""
+        if not self.alive:
+            raise EngineDead("engine is not running")
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[None] = loop.create_future()
+        call_id = next(self._call_ids)
+        self._adapter_calls[call_id] = (loop, answer)
+        self._outgoing.put(LoadAdapter(call_id, name, source))
+        try:
+            await answer
+        finally:
+            self._adapter_calls.pop(call_id, None)
+        self._adapters[name] = source
+
+    def unload_adapter(self, name: str) -> None:
+        """Hide `name` at once; the engine process forgets it after the requests sent before."""
+        if self._adapters.pop(name, None) is None:
+            raise UnknownAdapter(name)
+        self._outgoing.put(UnloadAdapter(name))
+
+    def _answer(self, reply: AdapterLoaded) -> None:
+        call = self._adapter_calls.get(reply.call_id)
+        if call is None:
+            return
+        loop, answer = call
+
+        def settle() -> None:
+            if answer.done():
+                return
+            if reply.error is None:
+                answer.set_result(None)
+            else:
+                answer.set_exception(AdapterLoadError(reply.error))
+
+        with contextlib.suppress(RuntimeError):  # that event loop is gone
+            loop.call_soon_threadsafe(settle)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._closing = True
@@ -196,10 +252,14 @@ class EngineProcessClient:
             if not self._closing:
                 log.error("%s", self.error)
         self._fail_open_requests(self.error)
+        for call_id in list(self._adapter_calls):  # nobody will answer these
+            self._answer(AdapterLoaded(call_id, f"engine is not running: {self.error}"))
 
     def _hand_over(self, message: Outputs) -> None:
         replay(message.metric_events, self.metrics)  # metrics first: never behind the responses
         self._stats = message.stats
+        for reply in message.adapter_replies:
+            self._answer(reply)
         by_loop: ByLoop = defaultdict(list)
         for out in message.outputs:
             consumer = (

@@ -22,11 +22,24 @@ class Submit:
     params: DecodingParams
     trace_id: str | None = None  # the client's X-Request-Id, for the engine's log lines
     grammar: GrammarSpec | None = None  # compiled again (and cached) in the engine process
+    adapter: str | None = None  # the LoRA adapter's name
 
 
 @dataclass(frozen=True)
 class Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    call_id: int
+    name: str
+    source: str
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    name: str
 
 
 @dataclass(frozen=True)
@@ -36,9 +49,18 @@ class Shutdown:
 
 # ---- engine -> front end ----------------------------------------------------------------------
 @dataclass(frozen=True)
+class AdapterLoaded:
+    """The answer to LoadAdapter: None, or why the adapter was not loaded."""
+
+    call_id: int
+    error: str | None
+
+
+@dataclass(frozen=True)
 class Ready:
     """Loaded and warmed up: what the front end needs to know of the engine."""
 
+    adapters: dict[str, str]  # the LoRA adapters served from start-up: name -> source
     max_model_len: int
     eos_token_ids: frozenset[int]
     num_blocks: int
@@ -58,6 +80,7 @@ class Outputs:
     outputs: list[RequestOutput]
     metric_events: list[MetricEvent]
     stats: dict[str, int | float | bool]
+    adapter_replies: list[AdapterLoaded] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

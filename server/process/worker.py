@@ -5,6 +5,7 @@ call. The process ends when the front end says so or its end of the pipe closes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from decoding.grammar import Grammar, GrammarCompiler, GrammarSpec
 from server.config import ServerConfig
+from server.engine.adapters import UnknownAdapter
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput
 from server.loading import freeze_start_up_objects, load_engine
@@ -25,11 +27,14 @@ from server.logs import setup_logging
 from server.metrics import Metrics
 from server.process.messages import (
     Abort,
+    AdapterLoaded,
     Died,
+    LoadAdapter,
     Outputs,
     Ready,
     StartupFailed,
     Submit,
+    UnloadAdapter,
 )
 from server.process.metrics_relay import MetricsRelay
 
@@ -67,6 +72,8 @@ class EngineLoop:
         self.stop = threading.Event()
         self.outbox: list[RequestOutput] = []  # the engine thread's outputs
         self.refused: deque[RequestOutput] = deque()  # the receiver's, for the engine thread
+        self.adapter_replies: deque[AdapterLoaded] = deque()  # the loader's, for the same
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="beamline-lora")
         engine.flush_outputs = self.flush
 
     def emit(self, out: RequestOutput) -> None:
@@ -77,11 +84,27 @@ class EngineLoop:
         """The engine thread, after each step: everything the step produced, in one message."""
         while self.refused:
             self.outbox.append(self.refused.popleft())
+        replies = []
+        while self.adapter_replies:
+            replies.append(self.adapter_replies.popleft())
         events = self.relay.drain()
-        if not self.outbox and not events:
+        if not self.outbox and not events and not replies:
             return
         outputs, self.outbox = self.outbox, []
-        self.conn.send(Outputs(outputs, events, self.engine.stats_snapshot()))
+        self.conn.send(Outputs(outputs, events, self.engine.stats_snapshot(), replies))
+
+    def load_adapter(self, message: LoadAdapter) -> None:
+        """A loader thread: read and check the adapter; the engine thread's next flush answers."""
+        try:
+            self.engine.load_adapter(message.name, message.source)
+            error = None
+        except ValueError as exc:  # lora.AdapterError, a taken name, LoRA off
+            error = str(exc)
+        except Exception as exc:  # never leave the front end waiting
+            log.exception("loading LoRA adapter %s failed", message.name)
+            error = f"{type(exc).__name__}: {exc}"
+        self.adapter_replies.append(AdapterLoaded(message.call_id, error))
+        self.engine.abort("")  # wakes the loop, whose next flush sends it
 
     def receive(self) -> None:
         """The receiver thread: requests and aborts until Shutdown or the front end is gone."""
@@ -92,6 +115,11 @@ class EngineLoop:
                     self.submit(message)
                 elif isinstance(message, Abort):
                     self.engine.abort(message.request_id)
+                elif isinstance(message, LoadAdapter):
+                    self.loader.submit(self.load_adapter, message)
+                elif isinstance(message, UnloadAdapter):
+                    with contextlib.suppress(UnknownAdapter):  # the front end checked
+                        self.engine.unload_adapter(message.name)
                 else:
                     break
         except (EOFError, OSError):
@@ -107,6 +135,7 @@ class EngineLoop:
             self.emit,
             trace_id=message.trace_id,
         )
+        request.adapter_name = message.adapter
         if message.grammar is not None:
             try:
                 request.constraint = self.grammars.get(message.grammar).new_constraint()
@@ -173,6 +202,7 @@ def run_engine_process(config: ServerConfig, conn: Connection) -> None:
     freeze_start_up_objects()
     conn.send(
         Ready(
+            adapters=engine.adapter_names(),
             max_model_len=engine.max_model_len,
             eos_token_ids=engine.eos_token_ids,
             num_blocks=engine.pool.num_blocks,
