@@ -22,7 +22,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.api.app import create_app
 from server.config import ServerConfig
-from server.metrics import CACHE_CONFIG_INFO, PROTOCOL_GAUGES, PROTOCOL_PREFIX, Metrics
+from server.metrics import (
+    CACHE_CONFIG_INFO,
+    LORA_REQUESTS_INFO,
+    PROTOCOL_GAUGES,
+    PROTOCOL_PREFIX,
+    Metrics,
+)
 from tests.test_deployment import unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,6 +165,7 @@ def exposed_metrics() -> dict[str, tuple[str, set[str]]]:
     metrics = Metrics("m")
     metrics.set_cache_config(block_size=16, num_blocks=64, prefix_caching=True)
     metrics.set_scheduler_state(running=1, waiting=2, kv_cache_usage=0.5)
+    metrics.set_lora_state(max_lora=4, running=["a"], waiting=[])  # a server with adapters
     body, _ = metrics.render()
     found: dict[str, tuple[str, set[str]]] = {}
     for family in text_string_to_metric_families(body.decode()):
@@ -471,7 +478,12 @@ def test_the_epp_config_scores_queue_kv_cache_and_prefix_cache() -> None:
     assert set(refs) <= set(names), set(refs) - set(names)
     (profile,) = config["schedulingProfiles"]
     weights = {p["pluginRef"]: p.get("weight", 1) for p in profile["plugins"]}
-    for scorer in ("queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"):
+    for scorer in (
+        "queue-scorer",
+        "kv-cache-utilization-scorer",
+        "prefix-cache-scorer",
+        "lora-affinity-scorer",
+    ):
         assert weights[plugin(config, scorer).get("name", scorer)] > 0, scorer
     # The approximate prefix index hashes prompts in blocks of beamline's KV block size.
     prefix = plugin(config, "prefix-cache-scorer")["parameters"]
@@ -495,8 +507,9 @@ def test_every_metric_name_given_to_the_epp_is_one_beamline_exposes() -> None:
     assert metric_spec(engine["kvUsageSpec"])[0] == kv
     assert metric_spec(engine["cacheInfoSpec"])[0] == CACHE_CONFIG_INFO
     exposed = exposed_metrics()
+    assert metric_spec(engine["loraSpec"])[0] == LORA_REQUESTS_INFO
     given = [v for k, v in engine.items() if k.endswith("Spec") and v]
-    assert len(given) == 4, f"an unexpected metric is given to the EPP: {given}"
+    assert len(given) == 5, f"an unexpected metric is given to the EPP: {given}"
     for spec in given:
         name, labels = metric_spec(spec)
         assert name in exposed, f"{name} is not exposed by server/metrics.py"
@@ -506,7 +519,9 @@ def test_every_metric_name_given_to_the_epp_is_one_beamline_exposes() -> None:
     info_labels = exposed[CACHE_CONFIG_INFO][1]
     assert engine.get("cacheBlockSizeLabelName", "block_size") in info_labels
     assert engine.get("cacheNumBlocksLabelName", "num_gpu_blocks") in info_labels
-    assert not engine["loraSpec"], "beamline has no LoRA metric; vLLM's default would be used"
+    # The LoRA scorer reads these labels of the LoRA gauge (the protocol's names).
+    lora_labels = {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}
+    assert lora_labels <= exposed[LORA_REQUESTS_INFO][1]
 
 
 def test_the_istio_destination_rule_originates_tls_to_the_epp_service() -> None:
