@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from decoding import DecodingParams
 from server.engine.adapters import AdapterRegistry
 from server.engine.engine import Engine
+from server.model import lora
 from server.model.lora import AdapterError, LoRALinear, LoRAStep, read_adapter
 from tests.conftest import make_engine
 from tests.engine_driver import Collected, run_to_completion, submit
@@ -280,14 +281,14 @@ def test_host_cache_keeps_at_most_max_cpu_loras_and_reads_evicted_ones_again(
     assert targets  # (shapes are the reader's business)
 
 
-def test_lora_step_segments_contiguous_rows_as_slices_and_gathers_the_rest() -> None:
-    step = LoRAStep.build([(0, 3), (0, 1), (-1, 2), (1, 2), (0, 1)], torch.device("cpu"))
-    assert step is not None
-    assert step.slots.tolist() == [0, 0, 0, 0, -1, -1, 1, 1, 0]
-    segments = dict(step.segments)
-    assert segments[1] == slice(6, 8)
-    assert isinstance(segments[0], torch.Tensor) and segments[0].tolist() == [0, 1, 2, 3, 8]
-    assert LoRAStep.build([(-1, 4)], torch.device("cpu")) is None
+def test_lora_step_masks_each_token_to_its_own_slots_columns() -> None:
+    cpu = torch.device("cpu")
+    build = dict(num_slots=2, max_rank=2, device=cpu, dtype=torch.float32, masked=True)
+    step = LoRAStep.build([(0, 2), (-1, 1), (1, 1)], **build)  # type: ignore[arg-type]
+    assert step is not None and step.mask is not None
+    assert step.slots.tolist() == [0, 0, -1, 1]
+    assert step.mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 1, 1]]
+    assert LoRAStep.build([(-1, 4)], **build) is None  # type: ignore[arg-type]
 
 
 # ---- hostile adapters -------------------------------------------------------------------------
@@ -387,16 +388,16 @@ def test_an_adapter_directory_that_does_not_exist_and_not_a_hub_id_is_refused(
 
 @pytest.mark.cpu_only  # the Triton kernel under its interpreter, on CPU tensors
 def test_the_triton_kernel_path_serves_the_same_tokens(
-    llama_dir: Path, adapter_dirs: dict[tuple[str, str], Path]
+    llama_dir: Path, adapter_dirs: dict[tuple[str, str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CUDA path's kernel (triton_lora.py, run by Triton's interpreter) in place of the
-    torch ops, through the whole engine: adapters and the base mixed, token-exact."""
+    masked GEMMs, through the whole engine: adapters and the base mixed, token-exact."""
+    monkeypatch.setattr(lora, "uses_kernel", lambda device: True)
     adapters = {name: adapter_dirs["llama", name] for name in ("qv8", "all8")}
     engine = lora_engine(llama_dir, adapters)
     wrapped = [m for m in engine.runner.model.modules() if isinstance(m, LoRALinear)]
     assert len(wrapped) == 7 * engine.runner.config.num_hidden_layers  # every projection
-    for module in wrapped:
-        module.fused = True
+    assert all(module.fused for module in wrapped)
     tok = engine.tokenizer
     jobs = [(tok(p).input_ids, a) for p, a in zip(PROMPTS, ["qv8", "all8", None])]
     params = DecodingParams(max_tokens=6, temperature=0, ignore_eos=True)

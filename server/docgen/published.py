@@ -44,7 +44,8 @@ def _host(doc: dict[str, Any]) -> str:
 def _command(doc: dict[str, Any]) -> str:
     argv = doc.get("argv")
     if not isinstance(argv, list) or doc.get("benchmark") not in ("serve", "structured"):
-        return "-"
+        command = doc.get("command")  # other benchmarks record their own command line
+        return f"`{command}`".replace("|", "\\|") if isinstance(command, str) else "-"
     kept: list[str] = []
     skip = False
     for arg in argv:
