@@ -286,3 +286,75 @@ async def test_a_gguf_quant_from_the_cache_is_converted_and_served(hub_cache: Pa
         assert r.json()["choices"][0]["text"] == " the capital of the"  # the base model, greedy
     finally:
         ctx.engine.shutdown()
+
+
+# ---- LoRA adapters by hub id ------------------------------------------------------------------
+ADAPTER_REPO = "tiny-org/tiny-llama-lora"
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.lora_adapters import make_adapter
+
+    return make_adapter(llama_dir, tmp_path_factory.mktemp("hub_adapter") / "a", r=4, scale=30.0)
+
+
+def adapter_files(adapter_dir: Path) -> dict[str, Path]:
+    return {p.name: p for p in adapter_dir.iterdir() if p.name in hub.ADAPTER_FILES}
+
+
+def _greedy(engine: object, name: str) -> list[int]:
+    from decoding import DecodingParams
+    from tests.engine_driver import run_to_completion, submit
+
+    params = DecodingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = submit(engine, name, [5, 9, 13, 17], params, name)  # type: ignore[arg-type]
+    run_to_completion(engine)  # type: ignore[arg-type]
+    return got.token_ids
+
+
+def test_an_adapter_hub_id_loads_from_the_cache_offline(
+    hub_cache: Path, llama_dir: Path, adapter_dir: Path
+) -> None:
+    from server.bootstrap import locate_adapters
+    from tests.conftest import make_engine
+
+    snapshot = write_snapshot(
+        hub_cache, ADAPTER_REPO, adapter_files(adapter_dir), commit_of("lora"), refs=("main",)
+    )
+    assert locate_adapters({"a": ADAPTER_REPO}, "tiny") == {"a": str(snapshot)}
+    engine = make_engine(llama_dir, max_loras=2)
+    engine.load_adapter("by-id", ADAPTER_REPO)
+    engine.load_adapter("by-dir", str(adapter_dir))
+    assert engine.adapter_names() == {"by-id": ADAPTER_REPO, "by-dir": str(adapter_dir)}
+    assert _greedy(engine, "by-id") == _greedy(engine, "by-dir")
+
+
+def test_an_adapter_hub_id_offline_and_not_cached_says_so(hub_cache: Path, llama_dir: Path) -> None:
+    from server.bootstrap import locate_adapters
+    from server.model.lora import AdapterError
+    from tests.conftest import make_engine
+
+    engine = make_engine(llama_dir, max_loras=1)
+    with pytest.raises(AdapterError, match="HF_HUB_OFFLINE is set"):
+        engine.load_adapter("x", ADAPTER_REPO)
+    with pytest.raises(ModelNotFound, match="not in the local Hugging Face cache"):
+        locate_adapters({"x": ADAPTER_REPO}, "tiny")
+    with pytest.raises(ModelNotFound, match="the served model's name"):
+        locate_adapters({"tiny": "/adapters/x"}, "tiny")
+
+
+def test_an_adapter_hub_id_is_downloaded_when_online(
+    hub_cache: Path,
+    online: None,
+    llama_dir: Path,
+    adapter_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.conftest import make_engine
+
+    fake = use_hub(monkeypatch, FakeHub(hub_cache, adapter_files(adapter_dir)))
+    engine = make_engine(llama_dir, max_loras=1)
+    engine.load_adapter("remote", ADAPTER_REPO)
+    assert sorted(fake.downloaded) == sorted(hub.ADAPTER_FILES)
+    assert len(_greedy(engine, "remote")) == 6
