@@ -25,6 +25,8 @@ KIT_TESTS = (
     "tests/test_overload_and_preemption.py",
     "tests/test_beam_logprobs.py",
     "tests/test_api.py",
+    "tests/test_lora.py",  # the LoRA kernel in the engine, token-exact against the merged model
+    "tests/test_triton_lora.py",
 )
 
 # What CUDA changes most, most important first (a failure budget or the deadline may cut the rest):
