@@ -61,8 +61,11 @@ def load_yaml(path: Path) -> Any:
 
 
 def exposed_samples() -> set[str]:
-    """Every sample name `server/metrics.py` exposes (`x_total`, `x_bucket`, gauges, ...)."""
-    body, _ = Metrics("m").render()
+    """Every sample name `server/metrics.py` exposes (`x_total`, `x_bucket`, gauges, ...), the
+    LoRA series included (a server with adapters)."""
+    metrics = Metrics("m")
+    metrics.record_lora_request("adapter")
+    body, _ = metrics.render()
     families = text_string_to_metric_families(body.decode())
     return {s.name for f in families for s in f.samples}
 
