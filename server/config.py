@@ -160,7 +160,8 @@ class ServerConfig(BaseModel):
     enable_lora: bool | None = Field(
         None,
         description="serve LoRA adapters (every projection gets device slots for them; the "
-        "decode step then runs eagerly); empty = on when lora_modules are given",
+        "decode step then runs eagerly); empty = on when lora_modules are given or "
+        "allow_runtime_lora_updating is on",
     )
     max_loras: int = Field(
         4, ge=1, description="adapters resident on the device at once (rows of each share a step)"
@@ -301,7 +302,9 @@ class ServerConfig(BaseModel):
 
     @property
     def lora_enabled(self) -> bool:
-        return bool(self.lora_modules) if self.enable_lora is None else self.enable_lora
+        if self.enable_lora is not None:
+            return self.enable_lora
+        return bool(self.lora_modules) or self.allow_runtime_lora_updating
 
     @model_validator(mode="after")
     def _default_max_tokens_within_the_limit(self) -> ServerConfig:

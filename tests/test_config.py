@@ -127,6 +127,8 @@ def test_lora_modules_take_several_values_per_flag_and_are_checked() -> None:
     cfg = load_config(None, {"lora_modules": args.lora_modules}, environ={})
     assert cfg.lora_adapters() == {"a": "/x", "b": "org/adapter", "c": "/z"}
     assert cfg.lora_enabled and not ServerConfig().lora_enabled
+    assert ServerConfig(allow_runtime_lora_updating=True).lora_enabled
+    assert not ServerConfig(allow_runtime_lora_updating=True, enable_lora=False).lora_enabled
     env = load_config(None, {}, environ={"BEAMLINE_LORA_MODULES": "a=/x,b=/y"})
     assert env.lora_adapters() == {"a": "/x", "b": "/y"}
     for bad, why in (
