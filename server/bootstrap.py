@@ -10,7 +10,8 @@ from pathlib import Path
 
 from server.api.sampling_defaults import describe, read_sampling_defaults
 from server.api.serving import ServingContext
-from server.config import ServerConfig, with_device_defaults
+from server.config import ServerConfig
+from server.device_defaults import with_device_defaults
 from server.engine.async_engine import AsyncEngine
 from server.engine.client import EngineClient
 from server.loading import freeze_start_up_objects, load_engine, load_tokenizer

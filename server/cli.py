@@ -15,8 +15,9 @@ from typing import Any
 from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 
-from server.config import ConfigError, ServerConfig, load_config, with_device_defaults
+from server.config import ConfigError, ServerConfig, load_config
 from server.config_groups import CONFIG_GROUPS
+from server.device_defaults import with_device_defaults
 from server.logs import setup_logging
 
 # Request limits are set in the config file or by env var only.

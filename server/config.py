@@ -5,7 +5,6 @@ A wrong key or value stops start-up with a message naming it (pydantic, extra ke
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,13 +23,65 @@ from pydantic import (
 from server.model.devices import DType, Quantization
 from server.sizes import ByteSize, KVSize
 
-log = logging.getLogger(__name__)
-# On CUDA a step of 256 rows costs little more than one of 64 (the GPU is far from busy), so the
-# batch limits a user leaves unset are raised there; the CPU defaults keep a 2-core step short.
-CUDA_DEFAULTS: dict[str, int] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+
+def comma_list(v: Any) -> Any:
+    """Env vars give lists as comma-separated strings."""
+    return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
 
 
-class ServerConfig(BaseModel):
+class LoRASettings(BaseModel):
+    """The LoRA adapters' settings (a group of ServerConfig's keys)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    lora_modules: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapter served from start-up, NAME=SOURCE: peft's files in a directory "
+        "or a hub id (resolved like --model); a request picks it by its `model`",
+    )
+    enable_lora: bool | None = Field(
+        None,
+        description="serve LoRA adapters (the decode step then runs eagerly); empty = on when "
+        "lora_modules are given or allow_runtime_lora_updating is on",
+    )
+    max_loras: int = Field(4, ge=1, description="adapters resident on the device at once")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="largest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters' weights kept in host memory (LRU); empty = max_loras"
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's)",
+    )
+
+    _adapter_list = field_validator("lora_modules", mode="before")(comma_list)
+
+    @model_validator(mode="after")
+    def _lora_settings(self) -> LoRASettings:
+        self.lora_adapters()  # NAME=SOURCE, each name once
+        if self.lora_modules and self.enable_lora is False:
+            raise ValueError("lora_modules are given but enable_lora is false")
+        if (self.max_cpu_loras or self.max_loras) < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras")
+        return self
+
+    def lora_adapters(self) -> dict[str, str]:
+        """`lora_modules` as {name: source}."""
+        pairs = [tuple(p.strip() for p in e.split("=", 1)) for e in self.lora_modules]
+        if not all(len(p) == 2 and all(p) for p in pairs):
+            raise ValueError(f"lora_modules entries are NAME=SOURCE, got {self.lora_modules}")
+        if len({p[0] for p in pairs}) != len(pairs):
+            raise ValueError(f"lora_modules names each adapter once, got {self.lora_modules}")
+        return dict(pairs)  # type: ignore[arg-type]  # pairs, checked above
+
+    @property
+    def lora_enabled(self) -> bool:
+        if self.enable_lora is not None:
+            return self.enable_lora
+        return bool(self.lora_modules) or self.allow_runtime_lora_updating
+
+
+class ServerConfig(LoRASettings):
     """Every setting of the server; each `description` is also its `beamline serve --help` text."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -151,33 +202,6 @@ class ServerConfig(BaseModel):
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV blocks of prompt prefixes seen before"
     )
-    lora_modules: list[str] = Field(
-        default_factory=list,
-        description="LoRA adapter served from start-up, as NAME=SOURCE: peft's files "
-        "(adapter_config.json + adapter_model.safetensors) in a local directory or a hub id "
-        "resolved like --model; a request picks it by its `model` field",
-    )
-    enable_lora: bool | None = Field(
-        None,
-        description="serve LoRA adapters (every projection gets device slots for them; the "
-        "decode step then runs eagerly); empty = on when lora_modules are given or "
-        "allow_runtime_lora_updating is on",
-    )
-    max_loras: int = Field(
-        4, ge=1, description="adapters resident on the device at once (rows of each share a step)"
-    )
-    max_lora_rank: int = Field(16, ge=1, le=512, description="largest adapter rank accepted")
-    max_cpu_loras: int | None = Field(
-        None,
-        ge=1,
-        description="adapters' weights kept in host memory (least recently used out, read again "
-        "from disk when asked for); empty = max_loras",
-    )
-    allow_runtime_lora_updating: bool = Field(
-        False,
-        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-        "routes, behind the API key) to change the adapters while serving",
-    )
     max_n: int = Field(16, ge=1, description="largest n (choices) a request may ask for")
     max_best_of: int = Field(16, ge=1, description="largest best_of a request may ask for")
     max_num_beams: int = Field(16, ge=1, description="largest num_beams a request may ask for")
@@ -253,11 +277,9 @@ class ServerConfig(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field("text", description="log line format")
 
-    @field_validator("api_keys", "public_paths", "cors_allow_origins", mode="before")
-    @classmethod
-    def _comma_list(cls, v: Any) -> Any:
-        """Env vars give lists as comma-separated strings."""
-        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+    _lists = field_validator("api_keys", "public_paths", "cors_allow_origins", mode="before")(
+        comma_list
+    )
 
     @model_validator(mode="after")
     def _budget_fits_the_widest_request(self) -> ServerConfig:
@@ -269,42 +291,6 @@ class ServerConfig(BaseModel):
                 f"widest request allowed ({widest}: max_n / max_best_of / max_num_beams)"
             )
         return self
-
-    @field_validator("lora_modules", mode="before")
-    @classmethod
-    def _lora_list(cls, v: Any) -> Any:
-        """Env vars give NAME=SOURCE pairs as a comma- or space-separated string."""
-        return v.replace(",", " ").split() if isinstance(v, str) else v
-
-    @model_validator(mode="after")
-    def _lora_settings(self) -> ServerConfig:
-        self.lora_adapters()  # NAME=SOURCE checked there
-        names = [entry.partition("=")[0].strip() for entry in self.lora_modules]
-        if len(set(names)) != len(names):
-            raise ValueError(f"lora_modules names each adapter once, got {names}")
-        if self.lora_modules and self.enable_lora is False:
-            raise ValueError("lora_modules are given but enable_lora is false")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
-            )
-        return self
-
-    def lora_adapters(self) -> dict[str, str]:
-        """`lora_modules` as {name: source}."""
-        adapters = {}
-        for entry in self.lora_modules:
-            name, sep, source = entry.partition("=")
-            if not sep or not name.strip() or not source.strip():
-                raise ValueError(f"lora_modules entries are NAME=SOURCE, got {entry!r}")
-            adapters[name.strip()] = source.strip()
-        return adapters
-
-    @property
-    def lora_enabled(self) -> bool:
-        if self.enable_lora is not None:
-            return self.enable_lora
-        return bool(self.lora_modules) or self.allow_runtime_lora_updating
 
     @model_validator(mode="after")
     def _default_max_tokens_within_the_limit(self) -> ServerConfig:
@@ -326,20 +312,6 @@ class ServerConfig(BaseModel):
 
 class ConfigError(ValueError):
     pass
-
-
-def with_device_defaults(config: ServerConfig, device_type: str) -> ServerConfig:
-    """`config` with the CUDA batch limits (CUDA_DEFAULTS) for the keys the user did not set (in
-    a file, env var or flag); unchanged on other devices. Applying it twice changes nothing."""
-    if device_type != "cuda":
-        return config
-    unset = {k: v for k, v in CUDA_DEFAULTS.items() if k not in config.model_fields_set}
-    if not unset:
-        return config
-    log.info(
-        "CUDA defaults: %s (set them to override)", ", ".join(f"{k} {v}" for k, v in unset.items())
-    )
-    return config.model_copy(update=unset)  # the keys count as set from now on
 
 
 ENV_PREFIX = "BEAMLINE_"

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from server.config import ServerConfig, with_device_defaults
+from server.config import ServerConfig
+from server.device_defaults import with_device_defaults
 from server.engine.engine import Engine
 from server.model.devices import (
     compiler_available,
@@ -112,7 +113,10 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         speculative_tokens=config.num_speculative_tokens,
         max_cpu_loras=config.max_cpu_loras,
     )
-    for name, source in config.lora_adapters().items():  # lora.AdapterError says what is wrong
+    for (
+        name,
+        source,
+    ) in config.lora_adapters().items():  # lora_files.AdapterError says what is wrong
         engine.load_adapter(name, source)
     return LoadedEngine(engine, runner, tokenizer, model_dir, config)
 

@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from decoding import DecodingParams
-from server.config import (
-    CUDA_DEFAULTS,
-    ConfigError,
-    ServerConfig,
-    load_config,
-    with_device_defaults,
-)
+from server.config import ConfigError, ServerConfig, load_config
+from server.device_defaults import CUDA_DEFAULTS, with_device_defaults
 from server.model import kv_budget
 from server.model.kv_budget import (
     DeviceMemory,
@@ -278,7 +273,7 @@ def test_bad_values_are_config_errors_naming_the_key(key: str, value: object) ->
 
 
 def test_cuda_raises_the_batch_limits_left_unset(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="server.config"):
+    with caplog.at_level(logging.INFO, logger="server.device_defaults"):
         cfg = with_device_defaults(ServerConfig(), "cuda")
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (256, 2048)
     assert CUDA_DEFAULTS == {"max_num_seqs": 256, "max_num_batched_tokens": 2048}

@@ -15,7 +15,8 @@ from decoding import DecodingParams
 from server.engine.adapters import AdapterRegistry
 from server.engine.engine import Engine
 from server.model import lora
-from server.model.lora import AdapterError, LoRALinear, LoRAStep, read_adapter
+from server.model.lora import LoRALinear, LoRAStep
+from server.model.lora_files import AdapterError, read_adapter
 from tests.conftest import make_engine
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.lora_adapters import ALL_TARGETS, edit_config, make_adapter, merged_model
@@ -234,7 +235,7 @@ def test_preemption_and_aborts_free_every_block_and_slot(
         solo = lora_engine(llama_dir, adapters)
         assert result.token_ids == run(solo, [(ids, adapter)], params)[0].token_ids
     assert engine.pool.num_free == engine.pool.num_blocks
-    assert engine.adapter_slots is not None and engine.adapter_slots.running_names() == []
+    assert engine.lora is not None and engine.lora.slots.running_names() == []
 
 
 def test_unloaded_adapter_refuses_new_requests_and_running_ones_finish(

@@ -15,8 +15,7 @@ from pydantic import Field
 from server.api.context import ServingContext
 from server.api.errors import APIError
 from server.api.openai_model import OpenAIModel
-from server.engine.adapters import UnknownAdapter
-from server.engine.client import AdapterLoadError
+from server.engine.client import AdapterLoadError, UnknownAdapter
 
 
 class LoadLoRAAdapterRequest(OpenAIModel):

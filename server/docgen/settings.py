@@ -9,7 +9,9 @@ from typing import Any
 from unittest import mock
 
 from server import cli
-from server.config import CUDA_DEFAULTS, ENV_PREFIX, ServerConfig
+from server.config import ENV_PREFIX, ServerConfig
+from server.config_groups import CONFIG_GROUPS
+from server.device_defaults import CUDA_DEFAULTS
 from server.docgen.annotations import bounds, default_text, md_text, type_name
 
 
@@ -66,7 +68,8 @@ def render_config_keys() -> str:
         "| key | type | default | environment variable | flag | what |",
         "|---|---|---|---|---|---|",
     ]
-    for key, info in ServerConfig.model_fields.items():
+    for key in (k for keys in CONFIG_GROUPS.values() for k in keys):  # as --help groups them
+        info = ServerConfig.model_fields[key]
         limits = bounds(info)
         kind = f"{type_name(info.annotation)}{f' ({limits})' if limits else ''}"
         flag = " ".join(f"`{f}`" for f in flags.get(key, [])) or "file or env only"

@@ -10,7 +10,8 @@ The slots are the scheduler's to hand out: a request joins the batch only when i
 resident or a slot can take it (a free one, or the least recently used one no running request
 holds); a request whose adapter must wait is passed over, the others behind it may join. The
 weights of a newly assigned slot are copied in by the engine before the step runs
-(`take_installs`). Nothing here touches tensors: the model side does (model/lora.py).
+(`take_installs`). Nothing here touches tensors: the model side does (model/lora.py and
+model/lora_files.py).
 """
 
 from __future__ import annotations
@@ -19,36 +20,9 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
-NO_SLOT = -1
-
-
-class AdapterWeights(Protocol):
-    """What the engine keeps of an adapter's weights (model/lora.py's LoRAAdapter)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class ResolvedAdapter:
-    """A request's adapter: its weights and the key its prefix-cache blocks are kept under."""
-
-    name: str
-    key: str  # name and load serial
-    weights: AdapterWeights
-
-
-class UnknownAdapter(KeyError):
-    """No adapter of that name is loaded."""
+from server.engine.client import UnknownAdapter
+from server.engine.request import NO_SLOT, AdapterWeights, EngineRequest, ResolvedAdapter
 
 
 class AdapterRegistry:
@@ -177,6 +151,21 @@ class AdapterSlots:
     def release(self, slot: int) -> None:
         self._users[slot] -= 1
         self._last_used[slot] = next(self._clock)
+
+    def waits(self, request: EngineRequest) -> bool:
+        """True when `request`'s adapter has no slot to go to now."""
+        return request.adapter is not None and not self.can_hold(request.adapter)
+
+    def hold(self, request: EngineRequest) -> None:
+        """A request joins the batch: its adapter's slot, held until `free`."""
+        if request.adapter is not None:
+            request.lora_slot = self.acquire(request.adapter)
+
+    def free(self, request: EngineRequest) -> None:
+        """A request leaves the batch (finished, aborted or preempted)."""
+        if request.lora_slot != NO_SLOT:
+            self.release(request.lora_slot)
+            request.lora_slot = NO_SLOT
 
     def take_installs(self) -> list[tuple[int, AdapterWeights]]:
         """Slots given a new adapter since the last call: their weights go in before the step."""

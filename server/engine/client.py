@@ -22,6 +22,10 @@ class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class UnknownAdapter(KeyError):
+    """No LoRA adapter of that name is loaded."""
+
+
 class AdapterLoadError(ValueError):
     """A LoRA adapter that could not be loaded: its files do not fit the model, its name is
     taken, or adapters are off; the message says which."""

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from server.engine.adapters import AdapterRegistry, AdapterSlots, UnknownAdapter
 from server.engine.applying import ChoiceApplier
 from server.engine.block_pool import BlockPool
+from server.engine.client import UnknownAdapter
 from server.engine.endings import Endings
 from server.engine.in_flight import InFlight
 from server.engine.inbox import Inbox, UnloadAdapter
+from server.engine.lora_service import EngineLoRA
 from server.engine.output_processor import OutputProcessor
 from server.engine.prefix_cache import PrefixCache
 from server.engine.prompt_scoring import PromptScoring
@@ -42,8 +42,7 @@ from server.engine.scheduler import Scheduler
 from server.engine.speculation import Speculator, VerifyBatch
 from server.engine.stats import EngineStats, StatsRecorder
 from server.metrics import Metrics
-from server.model.lora import AdapterError, LoRAAdapter
-from server.model.runner import ModelRunner
+from server.model.runner import ModelRunner, eos_token_ids
 from server.work import WorkItem
 
 log = logging.getLogger(__name__)
@@ -72,19 +71,14 @@ class Engine:
         capacity = runner.num_blocks * runner.block_size
         self.max_model_len = min(max_model_len or runner.max_position_embeddings, capacity)
         drafts = Speculator(speculative_tokens, self.max_model_len).propose  # n-gram; 0: off
-        # LoRA adapters (runner.lora: the model's slots): served names, and the slots' holders
-        self.adapters: AdapterRegistry | None = None
-        self.adapter_slots: AdapterSlots | None = None
-        if runner.lora is not None:
-            num_slots = runner.lora.num_slots
-            self.adapters = AdapterRegistry(runner.read_adapter, max_cpu_loras or num_slots)
-            self.adapter_slots = AdapterSlots(num_slots)
-        self._lora_state: tuple[list[str], list[str]] | None = None  # last published
+        # LoRA adapters (runner.lora: the model's slots): served names, slots, installs
+        self.lora = EngineLoRA(runner.lora, max_cpu_loras) if runner.lora is not None else None
         self.scheduler = Scheduler(
             self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache,
-            propose=drafts if speculative_tokens > 0 else None, adapters=self.adapter_slots,
+            propose=drafts if speculative_tokens > 0 else None,
+            adapters=self.lora.slots if self.lora else None,
         )  # fmt: skip
-        self.eos_token_ids = runner.eos_token_ids(tokenizer)
+        self.eos_token_ids = eos_token_ids(runner.model, tokenizer)
         self.output = OutputProcessor(tokenizer, self.max_model_len)
         self.recorder = StatsRecorder(self.pool, None)
         if metrics is not None:
@@ -122,23 +116,23 @@ class Engine:
 
     def load_adapter(self, name: str, source: str) -> None:
         """Serve the LoRA adapter at `source` as `name` (any thread; reads and checks its files:
-        lora.AdapterError, or ValueError when the name is taken or LoRA is off)."""
-        if self.adapters is None:
+        lora_files.AdapterError, or ValueError when the name is taken or LoRA is off)."""
+        if self.lora is None:
             raise ValueError("LoRA adapters are not enabled on this server (max_loras is 0)")
-        self.adapters.add(name, source)
+        self.lora.registry.add(name, source)
         log.info("LoRA adapter %s loaded from %s", name, source)
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving `name` (UnknownAdapter if not served); requests submitted before this
         call still run with it."""
-        if self.adapters is None:
+        if self.lora is None:
             raise UnknownAdapter(name)
-        self._inbox.put_unload(self.adapters.remove(name))
+        self._inbox.put_unload(self.lora.registry.remove(name))
         log.info("LoRA adapter %s unloaded", name)
 
     def adapter_names(self) -> dict[str, str]:
         """Served adapter names and their sources."""
-        return self.adapters.names() if self.adapters is not None else {}
+        return self.lora.registry.names() if self.lora is not None else {}
 
     def wait_for_work(self, timeout: float) -> None:
         if not self.scheduler.has_work():
@@ -160,10 +154,10 @@ class Engine:
     def _drain_inbox(self) -> None:
         for item in self._inbox.drain():
             if isinstance(item, UnloadAdapter):
-                if self.adapters is not None:
-                    self.adapters.forget(item.key)
+                if self.lora is not None:
+                    self.lora.registry.forget(item.key)
             elif isinstance(item, EngineRequest):
-                if item.adapter_name is not None and not self._resolve_adapter(item):
+                if item.adapter_name is not None and not self._admit_adapter(item):
                     continue
                 item.prepare(self.eos_token_ids, self.runner.device, self.max_model_len)
                 self.prompt_scoring.admit(item)
@@ -173,41 +167,16 @@ class Engine:
                 self._land()  # its tokens in flight first: a row ends with what it has
                 self.endings.end_request(req, "abort")
 
-    def _resolve_adapter(self, request: EngineRequest) -> bool:
-        """Give `request` its adapter's weights; False (and the request failed) when there is no
-        such adapter, or its files can no longer be read."""
+    def _admit_adapter(self, request: EngineRequest) -> bool:
+        """Give `request` its adapter's weights; False (the request failed) when it cannot."""
         name = request.adapter_name
-        assert name is not None
-        try:
-            if self.adapters is None:
-                raise UnknownAdapter(name)
-            request.adapter = self.adapters.resolve(name)
-        except (UnknownAdapter, AdapterError) as exc:
-            detail = f"LoRA adapter {name!r} is not loaded"
-            if isinstance(exc, AdapterError):
-                detail = str(exc)
-            self.output.emit_end(request, "error", detail)
+        error = self.lora.resolve(request) if self.lora else f"LoRA adapter {name!r} is not loaded"
+        if error is not None:
+            self.output.emit_end(request, "error", error)
             return False
-        if self.recorder.metrics is not None:
+        if self.recorder.metrics is not None and name is not None:
             self.recorder.metrics.record_lora_request(name)
         return True
-
-    def _install_adapters(self) -> None:
-        """Copy the adapters the scheduler just gave a slot into the model's slots, and publish
-        which adapters are in use when that changed."""
-        slots = self.adapter_slots
-        if slots is None:
-            return
-        for slot, weights in slots.take_installs():
-            self.runner.install_adapter(slot, cast(LoRAAdapter, weights))
-        metrics = self.recorder.metrics
-        if metrics is None:
-            return
-        waiting = sorted({r.adapter_name for r in self.scheduler.waiting if r.adapter_name})
-        state = (slots.running_names(), waiting)
-        if state != self._lora_state:
-            self._lora_state = state
-            metrics.set_lora_state(max_lora=slots.num_slots, running=state[0], waiting=state[1])
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -220,7 +189,8 @@ class Engine:
     def _step(self) -> bool:
         self._drain_inbox()
         plan = self.scheduler.schedule(speculate=self._in_flight is None)
-        self._install_adapters()
+        if self.lora is not None:
+            self.lora.install(self.scheduler.waiting, self.recorder.metrics)
         self.recorder.schedule(len(plan.preempted), plan.cache_queries, plan.cache_hits)
         self.endings.record_state()
         if not plan.items:  # the last step's tokens and text, if they wait for a next step

@@ -10,6 +10,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -17,10 +18,32 @@ from decoding import BeamSearch, DecodingParams, GroupBeamSearch, make_beam_sear
 from decoding.constraints import TokenConstraint
 from decoding.processors import PenaltyHistory
 from decoding.speculation import RowDrafts
-from server.engine.adapters import NO_SLOT, ResolvedAdapter
 from server.engine.detokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
+NO_SLOT = -1  # a row that runs the base model (no LoRA adapter slot)
+
+
+class AdapterWeights(Protocol):
+    """What the engine keeps of an adapter's weights (model/lora.py's LoRAAdapter)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ResolvedAdapter:
+    """A request's adapter: its weights and the key its prefix-cache blocks are kept under."""
+
+    name: str
+    key: str  # name and load serial
+    weights: AdapterWeights
 
 
 @dataclass(frozen=True)

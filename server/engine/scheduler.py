@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from server.engine.adapters import NO_SLOT, AdapterSlots
+from server.engine.adapters import AdapterSlots
 from server.engine.block_pool import BlockPool, OutOfBlocks
 from server.engine.prefix_cache import PrefixCache
 from server.engine.request import EngineRequest, Sequence
@@ -91,7 +91,7 @@ class Scheduler:
         adapters: AdapterSlots | None = None,
     ) -> None:
         self.pool = pool
-        self.adapters = adapters  # LoRA slots (None: no adapters served)
+        self.adapters = adapters or AdapterSlots(0)  # LoRA slots (none: no adapters served)
         self.prefix_cache = prefix_cache
         self.propose = propose  # drafts for a decoding row, at most the given count
         self.max_num_seqs = max_num_seqs
@@ -148,27 +148,11 @@ class Scheduler:
             for seq in request.rows:
                 self.prefix_cache.detach(seq)
 
-    def _adapter_waits(self, request: EngineRequest) -> bool:
-        """True when `request`'s adapter has no slot to go to now."""
-        adapter = request.adapter
-        return adapter is not None and not (
-            self.adapters is not None and self.adapters.can_hold(adapter)
-        )
-
-    def _hold_adapter(self, request: EngineRequest) -> None:
-        if request.adapter is not None and self.adapters is not None:
-            request.lora_slot = self.adapters.acquire(request.adapter)
-
-    def _free_adapter(self, request: EngineRequest) -> None:
-        if request.lora_slot != NO_SLOT and self.adapters is not None:
-            self.adapters.release(request.lora_slot)
-            request.lora_slot = NO_SLOT
-
     def _preempt(self, request: EngineRequest, plan: StepPlan) -> None:
         for seq in request.rows:
             self.pool.release(seq.block_table)
             seq.num_computed = 0
-        self._free_adapter(request)
+        self.adapters.free(request)
         enqueue(self.waiting, request, preempted=True)
         plan.preempted.append(request)
 
@@ -198,7 +182,7 @@ class Scheduler:
             request = self.waiting[j]
             if self.running and self.num_running_rows + request.width > self.max_num_seqs:
                 break
-            if self._adapter_waits(request):
+            if self.adapters.waits(request):
                 j += 1
                 continue
             queried, hit = self._attach_cached(request)  # revived blocks no longer count as free
@@ -215,7 +199,7 @@ class Scheduler:
             plan.cache_queries += queried
             plan.cache_hits += hit
             del self.waiting[j]
-            self._hold_adapter(request)
+            self.adapters.hold(request)
             self.running.append(request)
             plan.items.extend(items)
             budget -= sum(item.num_new for item in items)
@@ -337,7 +321,7 @@ class Scheduler:
         """Take a finished or aborted request out and return all its blocks at once."""
         if request in self.running:
             self.running.remove(request)
-            self._free_adapter(request)
+            self.adapters.free(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         for seq in request.rows:

@@ -14,7 +14,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -44,7 +44,8 @@ from server.model.kv_budget import (
     worst_case_items,
 )
 from server.model.kv_pool import AttentionBinding, KVLayout, paged_kernel
-from server.model.lora import LoRAAdapter, LoRAModules, load_adapter, target_modules
+from server.model.lora import LoRAModules
+from server.model.lora_files import target_modules
 from server.model.packing import (
     decode_inputs,
     pack_step,
@@ -66,6 +67,18 @@ _runner_ids = itertools.count()
 # Prompt positions per LM-head call when scoring a prompt: the logits of a whole 512-token chunk
 # over a 262k vocabulary would be half a gigabyte; 64 positions are 64 MiB (fp32), reduced to the
 # requested top-k before the next 64.
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The model's end-of-sequence ids: its generation config's and the tokenizer's."""
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)
 
 
 class ModelRunner:
@@ -94,11 +107,8 @@ class ModelRunner:
             )
         if (problem := quantization_problem(quantization, device)) is not None:
             raise ValueError(problem)  # before minutes of loading, not after
-        if max_loras and (compile_decode or cuda_graphs):
-            log.warning(
-                "LoRA adapters are enabled: decode steps run eagerly (torch_compile and "
-                "cuda_graphs are off; their graphs have no per-row adapter input)"
-            )
+        if max_loras and (compile_decode or cuda_graphs):  # no per-row adapter input there
+            log.warning("LoRA adapters are on: decode steps run eagerly (no compile, no graphs)")
             compile_decode = cuda_graphs = False
         self.device = device
         self.dtype = dtype
@@ -130,19 +140,7 @@ class ModelRunner:
         )
         log.info("linear layers: %s layout; LM head: %s", self.linear_layout, self.lm_head)
         # LoRA adapters wrap the projections in their final form (quantized or not)
-        self.max_lora_rank = max_lora_rank
-        self.lora = (
-            LoRAModules(
-                self.model,
-                lora_targets,
-                num_slots=max_loras,
-                max_rank=max_lora_rank,
-                device=device,
-                dtype=dtype,
-            )
-            if max_loras
-            else None
-        )
+        self.lora = LoRAModules.wrap(self.model, lora_targets, max_loras, max_lora_rank, dtype)
         self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
@@ -208,17 +206,6 @@ class ModelRunner:
             directory = compile_cache / cache_key(identity) if compile_cache else None
             self.compiled_decode = CompiledDecode(self.decoder, directory)
         self._run_decode = self.compiled_decode or self._run_decoder
-
-    def eos_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-        """The model's end-of-sequence ids: its generation config's and the tokenizer's."""
-        ids: set[int] = set()
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for value in (gen_eos, tokenizer.eos_token_id):
-            if isinstance(value, int):
-                ids.add(value)
-            elif value:
-                ids.update(value)
-        return frozenset(ids)
 
     @property
     def max_position_embeddings(self) -> int:
@@ -311,7 +298,7 @@ class ModelRunner:
         logprobs of the positions the items ask to score. `deferred`: input tokens still on the
         device (the previous step's choices, not read back yet)."""
         self.kv_cache.copy_blocks(copies)
-        with self._adapters(items):
+        with self.lora.applied(items) if self.lora else contextlib.nullcontext():
             return self._execute(items, deferred)
 
     def _execute(self, items: list[WorkItem], deferred: DeferredTokens | None) -> StepOutput:
@@ -326,30 +313,6 @@ class ModelRunner:
                 inputs = verify_inputs(items) if drafts else decode_inputs(seqs)
                 return StepOutput(self._decode_step(*inputs, edit))
         return self._execute_packed(items, deferred)
-
-    @contextlib.contextmanager
-    def _adapters(self, items: Sequence[WorkItem]) -> Iterator[None]:
-        """Each item's LoRA adapter (its row's slot) applied to its tokens during the forward."""
-        lora = self.lora
-        if lora is None:
-            yield
-            return
-        lora.begin([(item.seq.lora_slot, item.num_new) for item in items], self.device)
-        try:
-            yield
-        finally:
-            lora.end()
-
-    def read_adapter(self, name: str, source: str) -> LoRAAdapter:
-        """An adapter's files checked against this model (lora.AdapterError when they do not
-        fit); any thread."""
-        assert self.lora is not None, "LoRA is not enabled (max_loras = 0)"
-        return load_adapter(name, source, self.lora.targets, self.max_lora_rank)
-
-    def install_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Put `adapter` in device slot `slot` (the engine thread, between steps)."""
-        assert self.lora is not None, "LoRA is not enabled (max_loras = 0)"
-        self.lora.install(slot, adapter)
 
     def _execute_packed(
         self, items: Sequence[WorkItem], deferred: DeferredTokens | None = None

@@ -22,8 +22,13 @@ from collections.abc import AsyncGenerator
 from decoding import DecodingParams
 from decoding.grammar import Grammar
 from server.config import ServerConfig
-from server.engine.adapters import UnknownAdapter
-from server.engine.client import AdapterLoadError, EngineDead, KVCapacity, stream_outputs
+from server.engine.client import (
+    AdapterLoadError,
+    EngineDead,
+    KVCapacity,
+    UnknownAdapter,
+    stream_outputs,
+)
 from server.engine.request import RequestOutput
 from server.logs import request_id_var
 from server.metrics import Metrics

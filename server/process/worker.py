@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from decoding.grammar import Grammar, GrammarCompiler, GrammarSpec
 from server.config import ServerConfig
-from server.engine.adapters import UnknownAdapter
+from server.engine.client import UnknownAdapter
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput
 from server.loading import freeze_start_up_objects, load_engine
@@ -98,7 +98,7 @@ class EngineLoop:
         try:
             self.engine.load_adapter(message.name, message.source)
             error = None
-        except ValueError as exc:  # lora.AdapterError, a taken name, LoRA off
+        except ValueError as exc:  # lora_files.AdapterError, a taken name, LoRA off
             error = str(exc)
         except Exception as exc:  # never leave the front end waiting
             log.exception("loading LoRA adapter %s failed", message.name)

@@ -1,0 +1,49 @@
+"""The engine's side of LoRA adapters: the served names (registry), the device slots the
+scheduler hands out, copying a newly assigned adapter into the model's slots before a step, and
+the adapters' metrics. Only the engine uses it; the scheduler sees the slots alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+from server.engine.adapters import AdapterRegistry, AdapterSlots
+from server.engine.client import UnknownAdapter
+from server.engine.request import EngineRequest
+from server.metrics import Metrics
+from server.model.lora import LoRAModules
+from server.model.lora_files import AdapterError, LoRAAdapter
+
+
+class EngineLoRA:
+    def __init__(self, lora: LoRAModules, max_cpu_loras: int | None) -> None:
+        self.lora = lora
+        self.registry = AdapterRegistry(lora.read, max_cpu_loras or lora.num_slots)
+        self.slots = AdapterSlots(lora.num_slots)
+        self._published: tuple[list[str], list[str]] | None = None
+
+    def resolve(self, request: EngineRequest) -> str | None:
+        """Give `request` its adapter's weights; None, or why it cannot run (no such adapter,
+        or its files can no longer be read)."""
+        name = request.adapter_name
+        assert name is not None
+        try:
+            request.adapter = self.registry.resolve(name)
+        except UnknownAdapter:
+            return f"LoRA adapter {name!r} is not loaded"
+        except AdapterError as exc:
+            return str(exc)
+        return None
+
+    def install(self, waiting: Iterable[EngineRequest], metrics: Metrics | None) -> None:
+        """Copy the adapters the scheduler just gave a slot into the model's slots, and publish
+        which adapters running and `waiting` requests use when that changed."""
+        for slot, weights in self.slots.take_installs():
+            self.lora.install(slot, cast(LoRAAdapter, weights))
+        if metrics is None:
+            return
+        queued = sorted({r.adapter_name for r in waiting if r.adapter_name})
+        state = (self.slots.running_names(), queued)
+        if state != self._published:
+            self._published = state
+            metrics.set_lora_state(max_lora=self.slots.num_slots, running=state[0], waiting=queued)
