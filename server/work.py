@@ -13,6 +13,8 @@ import torch
 
 from decoding.logprobs import TokenLogprobs
 
+NO_ADAPTER = -1  # a row's LoRA slot when it runs the base model
+
 
 class Row(Protocol):
     """What the model runner reads of a row: its tokens, how many are cached, where they live,

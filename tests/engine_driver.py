@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from decoding import DecodingParams
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput, Sequence
+from server.work import NO_ADAPTER
 
 
 @dataclass(eq=False)
@@ -22,7 +23,7 @@ class StubRequest:
     cache_salt: str | None = None
     adapter: object | None = None  # no LoRA adapter
     adapter_key: str | None = None
-    lora_slot: int = -1
+    lora_slot: int = NO_ADAPTER
 
 
 def stub_rows(token_ids: list[int], rows: int = 1) -> StubRequest:

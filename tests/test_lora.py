@@ -17,7 +17,7 @@ from server.engine.engine import Engine
 from server.model import lora
 from server.model.lora import LoRALinear, LoRAStep
 from server.model.lora_files import AdapterError, read_adapter
-from tests.conftest import make_engine
+from tests.conftest import hf_reference, make_engine
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.lora_adapters import ALL_TARGETS, edit_config, make_adapter, merged_model
 
@@ -92,7 +92,7 @@ def test_greedy_with_an_adapter_equals_generate_of_the_merged_model(
     params = DecodingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
     got = run(engine, [(ids, adapter) for ids in prompts] + [(prompts[0], None)], params)
     merged = merged_model(model_dir, path)
-    base = hf_reference_model(model_dir)
+    base = hf_reference(model_dir)[0]
     for ids, result in zip(prompts, got):
         assert result.token_ids == hf_greedy(merged, ids, 10)
     assert got[-1].token_ids == hf_greedy(base, prompts[0], 10)
@@ -108,12 +108,6 @@ def test_greedy_with_an_adapter_equals_generate_of_the_merged_model(
     assert top == pytest.approx({t: want[t].item() for t in top}, abs=1e-4)
     assert max(abs(want[t] - base_lp[t]).item() for t in top) > 1e-2
     assert engine.pool.num_free == engine.pool.num_blocks
-
-
-def hf_reference_model(model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def test_beam_search_with_an_adapter_equals_generate_of_the_merged_model(
@@ -405,5 +399,5 @@ def test_the_triton_kernel_path_serves_the_same_tokens(
     got = run(engine, jobs, params)
     for (ids, adapter), result in zip(jobs, got):
         reference = merged_model(llama_dir, adapters[adapter]) if adapter else None
-        expected = hf_greedy(reference or hf_reference_model(llama_dir), ids, 6)
+        expected = hf_greedy(reference or hf_reference(llama_dir)[0], ids, 6)
         assert result.token_ids == expected, adapter

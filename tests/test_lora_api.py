@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from server.api.app import create_app
 from server.api.serving import ServingContext
-from tests.conftest import make_engine, serving_context
+from tests.conftest import hf_reference, make_engine, serving_context
 from tests.live_server import free_port
 from tests.lora_adapters import make_adapter, merged_model
 from tests.reliability_helpers import assert_openai_error, sse_payloads
@@ -63,9 +63,7 @@ async def api(lora_ctx: ServingContext) -> AsyncIterator[httpx.AsyncClient]:
 
 
 def expected_tokens(llama_dir: Path, adapter: Path | None, ids: list[int], n: int) -> list[int]:
-    from tests.test_lora import hf_reference_model
-
-    model = merged_model(llama_dir, adapter) if adapter else hf_reference_model(llama_dir)
+    model = merged_model(llama_dir, adapter) if adapter else hf_reference(llama_dir)[0]
     return hf_greedy(model, ids, n)
 
 

@@ -22,7 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from server.engine.client import UnknownAdapter
-from server.engine.request import NO_SLOT, AdapterWeights, EngineRequest, ResolvedAdapter
+from server.engine.request import AdapterWeights, EngineRequest, ResolvedAdapter
+from server.work import NO_ADAPTER
 
 
 class AdapterRegistry:
@@ -82,10 +83,6 @@ class AdapterRegistry:
         with self._lock:
             return {name: source for name, (source, _) in self._entries.items()}
 
-    def __contains__(self, name: object) -> bool:
-        with self._lock:
-            return name in self._entries
-
     def resolve(self, name: str) -> ResolvedAdapter:
         """`name`'s weights, from host memory or read again (UnknownAdapter if not served)."""
         with self._lock:
@@ -123,25 +120,25 @@ class AdapterSlots:
         self._installs: list[tuple[int, AdapterWeights]] = []
 
     def _slot_of(self, key: str) -> int:
-        return self._key.index(key) if key in self._key else NO_SLOT
+        return self._key.index(key) if key in self._key else NO_ADAPTER
 
     def _free_slot(self) -> int:
         """An empty slot, else the least recently used one that no running request holds."""
         idle = [s for s in range(self.num_slots) if self._users[s] == 0]
         if not idle:
-            return NO_SLOT
+            return NO_ADAPTER
         empty = [s for s in idle if self._key[s] is None]
         return empty[0] if empty else min(idle, key=lambda s: self._last_used[s])
 
     def can_hold(self, adapter: ResolvedAdapter) -> bool:
-        return self._slot_of(adapter.key) != NO_SLOT or self._free_slot() != NO_SLOT
+        return self._slot_of(adapter.key) != NO_ADAPTER or self._free_slot() != NO_ADAPTER
 
     def acquire(self, adapter: ResolvedAdapter) -> int:
         """A slot holding `adapter` for one more running request (`can_hold` must be true)."""
         slot = self._slot_of(adapter.key)
-        if slot == NO_SLOT:
+        if slot == NO_ADAPTER:
             slot = self._free_slot()
-            assert slot != NO_SLOT, "acquire without can_hold"
+            assert slot != NO_ADAPTER, "acquire without can_hold"
             self._key[slot], self._name[slot] = adapter.key, adapter.name
             self._installs.append((slot, adapter.weights))
         self._users[slot] += 1
@@ -163,9 +160,9 @@ class AdapterSlots:
 
     def free(self, request: EngineRequest) -> None:
         """A request leaves the batch (finished, aborted or preempted)."""
-        if request.lora_slot != NO_SLOT:
+        if request.lora_slot != NO_ADAPTER:
             self.release(request.lora_slot)
-            request.lora_slot = NO_SLOT
+            request.lora_slot = NO_ADAPTER
 
     def take_installs(self) -> list[tuple[int, AdapterWeights]]:
         """Slots given a new adapter since the last call: their weights go in before the step."""

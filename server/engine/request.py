@@ -19,9 +19,9 @@ from decoding.constraints import TokenConstraint
 from decoding.processors import PenaltyHistory
 from decoding.speculation import RowDrafts
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.work import NO_ADAPTER
 
 _seq_ids = itertools.count()
-NO_SLOT = -1  # a row that runs the base model (no LoRA adapter slot)
 
 
 class AdapterWeights(Protocol):
@@ -29,12 +29,6 @@ class AdapterWeights(Protocol):
 
     @property
     def name(self) -> str: ...
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -173,7 +167,7 @@ class Sequence:
 
     @property
     def lora_slot(self) -> int:
-        """The device slot of its request's LoRA adapter (NO_SLOT: the base model)."""
+        """The device slot of its request's LoRA adapter (NO_ADAPTER: the base model)."""
         return self.request.lora_slot
 
 
@@ -204,7 +198,7 @@ class EngineRequest:
     finished: bool = False
     adapter_name: str | None = None  # the LoRA adapter the client asked for (its `model`)
     adapter: ResolvedAdapter | None = None  # its weights, once admitted (engine._drain_inbox)
-    lora_slot: int = NO_SLOT  # the device slot its adapter occupies while it runs
+    lora_slot: int = NO_ADAPTER  # the device slot its adapter occupies while it runs
 
     def prepare(self, eos_ids: frozenset[int], device: torch.device, max_model_len: int) -> None:
         """Admission: the ids that end it, its seeded generator, its beam search, its first row

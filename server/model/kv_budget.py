@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from decoding import DecodingParams, SamplingTensors, sample, token_logprobs
-from server.work import WorkItem
+from server.work import NO_ADAPTER, WorkItem
 
 log = logging.getLogger(__name__)
 GiB = 1024**3
@@ -217,7 +217,7 @@ class ProfileRow:
     token_ids: list[int]
     num_computed: int
     block_table: list[int]
-    lora_slot: int = -1  # the base model
+    lora_slot: int = NO_ADAPTER
 
 
 def worst_case_items(

@@ -29,11 +29,9 @@ import torch
 from torch import nn
 
 from server.model.lora_files import LoRAAdapter, load_adapter
-from server.work import WorkItem
+from server.work import NO_ADAPTER, WorkItem
 
 log = logging.getLogger(__name__)
-
-NO_ADAPTER = -1  # a row's slot when it runs the base model
 
 
 @dataclass
@@ -58,11 +56,12 @@ class LoRAStep:
     ) -> LoRAStep | None:
         """From (slot, number of tokens) of each item in packing order; None when every token
         runs the base model."""
+        counts = list(counts)
+        if all(slot == NO_ADAPTER for slot, _ in counts):  # a step of base rows: nothing to add
+            return None
         per_token: list[int] = []
         for slot, count in counts:
             per_token.extend([slot] * count)
-        if all(slot == NO_ADAPTER for slot in per_token):
-            return None
         slots = torch.tensor(per_token, dtype=torch.int32)
         mask = None
         if masked:
@@ -219,7 +218,6 @@ class LoRAModules:
             parent = model.get_submodule(parent_path)
             setattr(parent, attr, LoRALinear(getattr(parent, attr), stack, self.state, fused))
             self.stacks[path] = stack
-        self.resident: list[str | None] = [None] * num_slots  # adapter name per slot, for logs
         log.info(
             "LoRA: %d projections adaptable, %d slots of rank <= %d (%.1f MiB per slot)",
             len(targets),
@@ -236,7 +234,6 @@ class LoRAModules:
         """Put `adapter` in `slot` (whatever was there is overwritten)."""
         for path, stack in self.stacks.items():
             stack.put(slot, adapter.weights.get(path))
-        self.resident[slot] = adapter.name
 
     def read(self, name: str, source: str) -> LoRAAdapter:
         """An adapter's files checked against this model (lora_files.AdapterError when they do

@@ -46,12 +46,7 @@ class LoRAAdapter:
 
     name: str
     path: Path
-    rank: int  # the largest rank of its modules
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
 def target_modules(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -113,7 +108,7 @@ def read_adapter(
         weights[module] = (a.float().contiguous(), (b.float() * scale).contiguous())
     if not weights:
         raise AdapterError(f"adapter {name!r}: its weights file holds no LoRA weights")
-    return LoRAAdapter(name, path, max(a.shape[0] for a, _ in weights.values()), weights)
+    return LoRAAdapter(name, path, weights)
 
 
 def _check_config(name: str, config: dict[str, Any]) -> None:

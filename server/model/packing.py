@@ -16,7 +16,7 @@ import torch
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from decoding.transfer import to_device
 from server.model.attention import DecodeStep, PagedStep, SeqSlice, StepContext
-from server.work import DeferredTokens, Row, WorkItem
+from server.work import NO_ADAPTER, DeferredTokens, Row, WorkItem
 
 
 @dataclass
@@ -64,7 +64,7 @@ class ScratchRow:
     token_ids: list[int]
     num_computed: int
     block_table: list[int]
-    lora_slot: int = -1  # the base model
+    lora_slot: int = NO_ADAPTER
 
 
 def scratch_item(num_new: int, block_size: int) -> WorkItem[ScratchRow]:
