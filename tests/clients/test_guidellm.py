@@ -111,14 +111,19 @@ def test_guidellm_benchmark_completes_without_errors(
         "--disable-console-interactive",
     ]
     env = {"HF_HUB_OFFLINE": "1", "PATH": str(Path(python).parent), "HOME": str(tmp_path)}
-    start = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    took = time.monotonic() - start
-    assert done.returncode == 0 and report.exists(), (
-        f"guidellm exited {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    )
-    (benchmark,) = json.loads(report.read_text())["benchmarks"]
-    totals = benchmark["metrics"]["request_totals"]
+    for attempt in range(2):  # guidellm's synchronous profile once stopped a request short of
+        # its max_requests with none errored or incomplete (its own count: total 2 of 3); that
+        # shortfall alone is run again, once
+        start = time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        took = time.monotonic() - start
+        assert done.returncode == 0 and report.exists(), (
+            f"guidellm exited {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        )
+        (benchmark,) = json.loads(report.read_text())["benchmarks"]
+        totals = benchmark["metrics"]["request_totals"]
+        if totals["total"] == requests or totals["errored"] or totals["incomplete"] or attempt:
+            break
     print(f"guidellm {request_format} {profile}: {totals} in {took:.0f} s")
     if totals["errored"] or totals["incomplete"]:
         pytest.fail(errored_summary(benchmark, served, request_format), pytrace=False)
