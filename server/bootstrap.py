@@ -23,10 +23,13 @@ from server.process.client import EngineProcessClient
 log = logging.getLogger(__name__)
 
 
-def runs_engine_process(setting: str, device_type: str) -> bool:
+def runs_engine_process(setting: str, device_type: str, tensor_parallel_size: int = 1) -> bool:
     """`engine_process` auto: on CUDA, where a step takes milliseconds and the front end's share of
     the GIL is most of a step; off on the CPU, where the second process competes with the model's
-    compute threads for the same cores (docs/performance has the measurement)."""
+    compute threads for the same cores (docs/performance has the measurement). Always on under
+    tensor parallelism: the engine process starts and supervises the other ranks."""
+    if tensor_parallel_size > 1:
+        return True
     return setting == "on" or (setting == "auto" and device_type == "cuda")
 
 
@@ -94,7 +97,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
     metrics = Metrics(name)
     started = time.monotonic()
     engine: EngineClient
-    if runs_engine_process(config.engine_process, device.type):
+    if runs_engine_process(config.engine_process, device.type, config.tensor_parallel_size):
         model_dir = resolve_model_dir(config.model, config.cache_dir)  # converts a GGUF once
         process = EngineProcessClient(config, metrics)
         process.start()

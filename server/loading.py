@@ -16,16 +16,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from server.config import ServerConfig
 from server.device_defaults import with_device_defaults
 from server.engine.engine import Engine
-from server.model.devices import (
-    compiler_available,
-    pick_device,
-    pick_dtype,
-    resolve_quantization,
-    resolve_torch_compile,
-)
-from server.model.kv_budget import KVBudget
-from server.model.loader import default_cache_dir, resolve_model_dir
+from server.model.devices import pick_device
+from server.model.loader import resolve_model_dir
 from server.model.runner import ModelRunner
+from server.model.tp_group import Rendezvous, TPGroup, rank_device
+from server.model.tp_shard import check_tp_size
+from server.model.weights import text_config
+from server.process.tp_workers import TPWorkers
+from server.runner_setup import build_runner, set_threads
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +53,16 @@ class LoadedEngine:
     tokenizer: PreTrainedTokenizerBase
     model_dir: Path
     config: ServerConfig  # with the device's defaults applied
+    workers: TPWorkers | None = None  # the follower ranks, under tensor parallelism
+
+    def close(self) -> None:
+        """Stop the follower ranks, if any (after the engine's last step)."""
+        if self.runner.tp_steps is not None and self.workers is not None:
+            try:
+                self.runner.tp_steps.stop()
+                self.workers.join()
+            finally:
+                self.runner.tp_steps.group.leave()
 
 
 def load_engine(config: ServerConfig) -> LoadedEngine:
@@ -66,40 +74,11 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     device = pick_device(config.device)
     config = with_device_defaults(config, device.type)  # a no-op when `beamline serve` did it
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
+    set_threads(config, config.tensor_parallel_size if device.type == "cpu" else 1)
     log.info("torch intra-op threads: %d", torch.get_num_threads())
-    quantization = resolve_quantization(config.quantization, config.dtype, device)
-    compile_decode = resolve_torch_compile(
-        config.torch_compile, config.quantization, quantization, device
-    )
-    if config.quantization == "auto" and device.type == "cpu":
-        log.info("CPU default: %s", cpu_default_summary(quantization, compile_decode, device))
-    compile_cache = (config.cache_dir or default_cache_dir()) / "compiled"
-    if compile_decode:  # inductor's kernels too, unless its cache is set elsewhere
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
-    runner = ModelRunner(
-        model_dir,
-        device=device,
-        dtype=pick_dtype(config.dtype, device),
-        block_size=config.block_size,
-        num_blocks=config.num_kv_blocks,
-        kv_budget=KVBudget(
-            kv_cache_bytes=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-        ),
-        quantization=quantization,
-        linear_layout=config.linear_layout,
-        attention_backend=config.attention_backend,
-        compile_decode=compile_decode,
-        compile_cache=compile_cache,
-        cuda_graphs=config.cuda_graphs and device.type == "cuda",
-        max_loras=config.max_loras if config.lora_enabled else 0,
-        max_lora_rank=config.max_lora_rank,
-    )
+    workers, group = start_tensor_parallel(config, device)
+    device = group.device if group else device
+    runner = build_runner(config, model_dir, device, group)
     tokenizer = load_tokenizer(model_dir)
     engine = Engine(
         runner,
@@ -118,22 +97,27 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         source,
     ) in config.lora_adapters().items():  # lora_files.AdapterError says what is wrong
         engine.load_adapter(name, source)
-    return LoadedEngine(engine, runner, tokenizer, model_dir, config)
+    return LoadedEngine(engine, runner, tokenizer, model_dir, config, workers)
 
 
-def cpu_default_summary(quantization: str, compiled: bool, device: torch.device) -> str:
-    """What `quantization auto` and an empty `torch_compile` chose on this CPU, and why."""
-    if quantization != "w8a8":
-        return (
-            "fp32, exact (no int8 dot-product instructions on this CPU, or an explicit --dtype); "
-            "--quantization w8a8 --torch-compile is the fast CPU setting"
-        )
-    said = "w8a8 (int8 GEMMs, the LM head's top candidates re-scored exactly)"
-    if compiled:
-        said += ", decode step compiled (about 1.5 min at a first start; later starts load it)"
-    elif not compiler_available(device):
-        said += ", not compiled: inductor needs a C++ compiler on PATH (g++ adds 1.3-1.5x)"
-    return said + "; --dtype float32 is the exact mode"
+def start_tensor_parallel(
+    config: ServerConfig, device: torch.device
+) -> tuple[TPWorkers | None, TPGroup | None]:
+    """Under tensor parallelism: start the follower ranks and join their group as the driver."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return None, None
+    check_tp_size(text_config(resolve_model_dir(config.model, config.cache_dir)), size, device)
+    rendezvous = Rendezvous.from_env()
+    workers = TPWorkers(config, range(1, size), size, rendezvous)
+    workers.start()
+    log.info(
+        "tensor parallel: %d ranks meet at %s (followers: pids %s)",
+        size,
+        rendezvous.url,
+        workers.pids,
+    )
+    return workers, TPGroup.join(rendezvous, 0, size, rank_device(device, 0, size))
 
 
 def freeze_start_up_objects() -> None:

@@ -118,6 +118,15 @@ def _misfit(graph: Any, decoder: nn.Module, inputs: tuple[Any, ...]) -> str | No
     return "; ".join(graph._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)
 
 
+def compiled_decoder(
+    decoder: nn.Module, model_dir: Path, cache: Path | None, **settings: str
+) -> CompiledDecode:
+    """`decoder`'s compiled decode step, kept in `cache` under a key of the model and the
+    `settings` it was compiled for (device, number formats, layouts)."""
+    identity = {"model": model_identity(model_dir), **settings}
+    return CompiledDecode(decoder, cache / cache_key(identity) if cache else None)
+
+
 class CompiledDecode:
     """`decode_forward` of one decoder, compiled: call `prepare` once, then call it per step."""
 

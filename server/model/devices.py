@@ -85,6 +85,17 @@ def quantization_problem(quantization: str, device: torch.device) -> str | None:
     return None
 
 
+def check_runner_options(compile_decode: bool, quantization: str, device: torch.device) -> None:
+    """ValueError when torch_compile or the quantization cannot run on `device`."""
+    if compile_decode and not compiler_available(device):
+        raise ValueError(
+            "torch_compile needs a C/C++ compiler on PATH (inductor builds its kernels with "
+            "it): install g++ (CPU) or gcc (CUDA, for Triton), or run without --torch-compile"
+        )
+    if (problem := quantization_problem(quantization, device)) is not None:
+        raise ValueError(problem)
+
+
 def dtype_warning(model_type: str, dtype: torch.dtype) -> str | None:
     """A dtype known to break a model family: Gemma's activations overflow float16's range."""
     import torch

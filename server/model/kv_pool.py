@@ -30,14 +30,16 @@ class KVLayout:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, config: Any, block_size: int, dtype: torch.dtype) -> KVLayout:
+    def of(cls, config: Any, block_size: int, dtype: torch.dtype, ranks: int = 1) -> KVLayout:
         """From a transformers text config (head_dim and KV heads have fallbacks: not every
-        architecture names them)."""
+        architecture names them); under tensor parallelism one rank's share of the KV heads
+        (one head when there are fewer than ranks: it is replicated)."""
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return cls(int(config.num_hidden_layers), block_size, int(kv_heads), int(head_dim), dtype)
+        kv_heads = max(int(kv_heads) // ranks, 1)
+        return cls(int(config.num_hidden_layers), block_size, kv_heads, int(head_dim), dtype)
 
     @property
     def bytes_per_block(self) -> int:

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from server.model.lora_files import LoRAAdapter, load_adapter
+from server.model.tp_shard import ShardedModel
 from server.work import NO_ADAPTER, WorkItem
 
 log = logging.getLogger(__name__)
@@ -181,14 +182,23 @@ class LoRAModules:
         num_slots: int,
         max_rank: int,
         dtype: torch.dtype,
+        shard: ShardedModel | None = None,
     ) -> LoRAModules | None:
         """`model`'s projections wrapped for `num_slots` adapters (None: LoRA off, nothing
-        wrapped). The slots live on the model's device."""
+        wrapped). The slots live on the model's device. `targets` are the whole model's shapes
+        (adapters are checked against them); under tensor parallelism `shard` says which part
+        of each projection, and so of each adapter, this rank holds."""
         if not num_slots:
             return None
         device = next(model.parameters()).device
         return cls(
-            model, targets, num_slots=num_slots, max_rank=max_rank, device=device, dtype=dtype
+            model,
+            targets,
+            num_slots=num_slots,
+            max_rank=max_rank,
+            device=device,
+            dtype=dtype,
+            shard=shard,
         )
 
     def __init__(
@@ -200,8 +210,12 @@ class LoRAModules:
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype,
+        shard: ShardedModel | None = None,
     ) -> None:
         self.targets = targets
+        self.shard = shard
+        # the driver of a tensor-parallel group sends each install to the other ranks
+        self.mirror: Callable[[int, LoRAAdapter], None] | None = None
         self.state = LoRAState()
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -211,6 +225,8 @@ class LoRAModules:
         self.dtype = dtype
         self.stacks: dict[str, LoRAStack] = {}
         for path, (in_features, out_features) in targets.items():
+            if shard is not None:
+                in_features, out_features = shard.local_shape(path, in_features, out_features)
             stack = LoRAStack(
                 in_features, out_features, num_slots, max_rank, device, dtype, kernel_layout=fused
             )
@@ -232,8 +248,13 @@ class LoRAModules:
 
     def install(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put `adapter` in `slot` (whatever was there is overwritten)."""
+        if self.mirror is not None:
+            self.mirror(slot, adapter)
         for path, stack in self.stacks.items():
-            stack.put(slot, adapter.weights.get(path))
+            weights = adapter.weights.get(path)
+            if weights is not None and self.shard is not None:
+                weights = self.shard.shard_adapter(path, *weights)
+            stack.put(slot, weights)
 
     def read(self, name: str, source: str) -> LoRAAdapter:
         """An adapter's files checked against this model (lora_files.AdapterError when they do

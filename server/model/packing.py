@@ -189,9 +189,10 @@ def score_positions(
     i: int,
     item: WorkItem[Row],
     logits_of: Callable[[torch.Tensor], torch.Tensor],
-) -> TokenLogprobs:
+) -> TokenLogprobs | None:
     """Logprobs of the tokens that follow positions item.score.start..stop-1 of item `i`, the LM
-    head (`logits_of`) run on SCORE_CHUNK positions at a time, each part reduced at once."""
+    head (`logits_of`) run on SCORE_CHUNK positions at a time, each part reduced at once. None on
+    a tensor-parallel follower rank, whose LM head gives no rows (the driver reduces)."""
     span, seq = item.score, item.seq
     assert span is not None
     first = packed.item_starts[i] + span.start - seq.num_computed
@@ -200,5 +201,7 @@ def score_positions(
     for a in range(0, len(targets), SCORE_CHUNK):
         b = min(a + SCORE_CHUNK, len(targets))
         logits = logits_of(hidden[first + a : first + b])
+        if not len(logits):
+            continue
         parts.append(token_logprobs(logits, targets[a:b], num_top=span.num_top, with_ranks=True))
-    return TokenLogprobs.cat(parts)
+    return TokenLogprobs.cat(parts) if parts else None

@@ -18,24 +18,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from decoding.transfer import to_device
 from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
-from server.model.compiled_decode import (
-    CompiledDecode,
-    cache_key,
-    decode_forward,
-    model_identity,
-)
-from server.model.cpu_linear import apply_linear_layout
+from server.model.compiled_decode import CompiledDecode, compiled_decoder, decode_forward
 from server.model.cuda_graphs import DecodeGraphs
-from server.model.devices import (
-    compiler_available,
-    dtype_warning,
-    pick_attention_backend,
-    quantization_problem,
-)
+from server.model.devices import check_runner_options, pick_attention_backend
 from server.model.kv_budget import (
     KVBudget,
     decode_items,
@@ -44,8 +33,6 @@ from server.model.kv_budget import (
     worst_case_items,
 )
 from server.model.kv_pool import AttentionBinding, KVLayout, paged_kernel
-from server.model.lora import LoRAModules
-from server.model.lora_files import target_modules
 from server.model.packing import (
     decode_inputs,
     pack_step,
@@ -55,11 +42,9 @@ from server.model.packing import (
     scratch_item,
     verify_inputs,
 )
-from server.model.quantization import (
-    quantize_decoder_w8a8,
-    quantize_decoder_weights,
-    quantized_lm_head,
-)
+from server.model.tp_group import TPGroup
+from server.model.tp_steps import StepBroadcast
+from server.model.weights import load_serving_weights, text_config
 from server.work import DeferredTokens, StepOutput, WorkItem
 
 log = logging.getLogger(__name__)
@@ -99,54 +84,40 @@ class ModelRunner:
         attention_backend: str = "gather",
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        tp: TPGroup | None = None,
     ) -> None:
-        if compile_decode and not compiler_available(device):
-            raise ValueError(
-                "torch_compile needs a C/C++ compiler on PATH (inductor builds its kernels with "
-                "it): install g++ (CPU) or gcc (CUDA, for Triton), or run without --torch-compile"
-            )
-        if (problem := quantization_problem(quantization, device)) is not None:
-            raise ValueError(problem)  # before minutes of loading, not after
-        if max_loras and (compile_decode or cuda_graphs):  # no per-row adapter input there
-            log.warning("LoRA adapters are on: decode steps run eagerly (no compile, no graphs)")
+        check_runner_options(compile_decode, quantization, device)  # before minutes of loading
+        if (max_loras or tp) and (compile_decode or cuda_graphs):  # no such inputs there
+            why = "tensor parallelism is on" if tp else "LoRA adapters are on"
+            log.warning("%s: decode steps run eagerly (no compile, no graphs)", why)
             compile_decode = cuda_graphs = False
         self.device = device
         self.dtype = dtype
         self.quantization = quantization
         self.block_size = block_size
         self.attention_backend = pick_attention_backend(attention_backend, device, compile_decode)
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        self.config = getattr(config, "text_config", config)
-        if (warning := dtype_warning(str(self.config.model_type), dtype)) is not None:
-            log.warning(warning)
-        # On an accelerator the weights load straight onto it (no copy through host RAM).
-        placement = {"device_map": str(device)} if device.type != "cpu" else {}
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False, **placement
+        self.config = text_config(model_dir)
+        self.tp = tp
+        weights = load_serving_weights(
+            model_dir,
+            device=device,
+            dtype=dtype,
+            quantization=quantization,
+            linear_layout=linear_layout,
+            compiled=compile_decode,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            tp=tp,
         )
-        model = model.to(device)  # type: ignore[arg-type]  # transformers' .to() stub loses self
-        self.model = model.eval()
+        self.model, self.lm_head, self.lora = weights.model, weights.lm_head, weights.lora
         self.decoder = self.model.get_decoder()
-        lora_targets = target_modules(self.model)  # before quantization replaces the layers
-        head = self.model.get_output_embeddings()
-        self.vocab_size = head.weight.shape[0]
-        self.lm_head = quantized_lm_head(head, device, quantization)
-        if quantization == "int8-weights":
-            quantize_decoder_weights(self.decoder, device)
-        elif quantization == "w8a8":
-            quantize_decoder_w8a8(self.decoder, device)
-        self.lm_head, self.linear_layout = apply_linear_layout(
-            self.decoder, self.lm_head, linear_layout, device, compiled=compile_decode
-        )
-        log.info("linear layers: %s layout; LM head: %s", self.linear_layout, self.lm_head)
-        # LoRA adapters wrap the projections in their final form (quantized or not)
-        self.lora = LoRAModules.wrap(self.model, lora_targets, max_loras, max_lora_rank, dtype)
+        self.vocab_size, self.linear_layout = weights.vocab_size, weights.linear_layout
         self.head_dtype = torch.float32 if quantization != "none" else dtype
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
         # The pool is sized once the weights are final (loaded, quantized, transposed).
         self.kv_budget = kv_budget or KVBudget()
-        self.kv_layout = KVLayout.of(self.config, block_size, dtype)
+        self.kv_layout = KVLayout.of(self.config, block_size, dtype, ranks=tp.size if tp else 1)
         self.attention = AttentionBinding(
             f"{ATTENTION_NAME}_{next(_runner_ids)}", paged_kernel(self.attention_backend)
         )
@@ -162,6 +133,8 @@ class ModelRunner:
             max_model_len=self.kv_budget.max_model_len or self.max_position_embeddings,
             profile=self.profile_worst_step,
         )
+        if tp is not None:  # every rank sized its own pool: the block tables fit the smallest
+            self.num_blocks = tp.min_int(self.num_blocks)
         graphs = self.cuda_graphs
         self.kv_cache = self.kv_layout.allocate(self.num_blocks + int(graphs), device)
         self.attention.bind(self.model, self.kv_cache)
@@ -195,17 +168,18 @@ class ModelRunner:
         self.compile_decode = compile_decode
         self.compiled_decode: CompiledDecode | None = None
         if compile_decode:
-            identity = {
-                "model": model_identity(model_dir),
-                "device": device.type,
-                "dtype": str(dtype),
-                "quantization": quantization,
-                "linear_layout": self.linear_layout,
-                "block_size": str(block_size),
-            }
-            directory = compile_cache / cache_key(identity) if compile_cache else None
-            self.compiled_decode = CompiledDecode(self.decoder, directory)
+            self.compiled_decode = compiled_decoder(
+                self.decoder,
+                model_dir,
+                compile_cache,
+                device=device.type,
+                dtype=str(dtype),
+                quantization=quantization,
+                linear_layout=self.linear_layout,
+                block_size=str(block_size),
+            )
         self._run_decode = self.compiled_decode or self._run_decoder
+        self.tp_steps = StepBroadcast.of_driver(tp, self.lora)  # the steps, to the other ranks
 
     @property
     def max_position_embeddings(self) -> int:
@@ -224,6 +198,8 @@ class ModelRunner:
         logits = self.lm_head(hidden.to(self.head_dtype)).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if self.tp is not None:  # this rank's vocabulary: the driver gathers every rank's
+            logits = self.tp.gather_vocab(logits, self.vocab_size)
         return logits
 
     @torch.inference_mode()
@@ -297,6 +273,8 @@ class ModelRunner:
         """Run `items` as one forward pass: logits of the items that sample, in order, and the
         logprobs of the positions the items ask to score. `deferred`: input tokens still on the
         device (the previous step's choices, not read back yet)."""
+        if self.tp_steps is not None:  # the other ranks run the same step
+            self.tp_steps.step(items, copies, deferred)
         self.kv_cache.copy_blocks(copies)
         with self.lora.applied(items) if self.lora else contextlib.nullcontext():
             return self._execute(items, deferred)
@@ -323,9 +301,10 @@ class ModelRunner:
         put_deferred(packed.input_ids[0], items, deferred)
         hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
         scores = {
-            i: score_positions(hidden, packed, i, item, self._logits)
+            i: scored
             for i, item in enumerate(items)
             if item.score is not None
+            and (scored := score_positions(hidden, packed, i, item, self._logits)) is not None
         }
         if not packed.sample_rows:
             return StepOutput(hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scores)

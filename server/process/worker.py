@@ -214,5 +214,6 @@ def run_engine_process(config: ServerConfig, conn: Connection) -> None:
     )
     grammars = GrammarCache(compiler, loaded.config.grammar_cache_size)
     EngineLoop(engine, conn, relay, grammars).run()
+    loaded.close()  # the other tensor-parallel ranks, if any, stop after the last step
     logging.shutdown()
     os._exit(0)  # no interpreter teardown: daemon threads and native extensions' leak reports

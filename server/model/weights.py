@@ -1,0 +1,93 @@
+"""The served model's weights in their serving form: loaded, split across tensor-parallel ranks,
+quantized, laid out for the CPU, wrapped for LoRA adapters, in that order (each step sees the
+layers the one before left)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from server.model.cpu_linear import apply_linear_layout
+from server.model.devices import dtype_warning
+from server.model.lora import LoRAModules
+from server.model.lora_files import target_modules
+from server.model.quantization import (
+    quantize_decoder_w8a8,
+    quantize_decoder_weights,
+    quantized_lm_head,
+)
+from server.model.tp_group import TPGroup
+from server.model.tp_shard import reduce_row_parallel, shard_model
+
+log = logging.getLogger(__name__)
+
+
+def text_config(model_dir: Path) -> Any:
+    """The model's text config (a multimodal config's language half)."""
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return getattr(config, "text_config", config)
+
+
+@dataclass
+class ServingWeights:
+    model: PreTrainedModel
+    lm_head: torch.nn.Module
+    vocab_size: int  # the whole vocabulary's, also under tensor parallelism
+    linear_layout: str
+    lora: LoRAModules | None
+
+
+def load_serving_weights(
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str,
+    linear_layout: str,
+    compiled: bool,
+    max_loras: int,
+    max_lora_rank: int,
+    tp: TPGroup | None,
+) -> ServingWeights:
+    config = text_config(model_dir)
+    if (warning := dtype_warning(str(config.model_type), dtype)) is not None:
+        log.warning(warning)
+    # On an accelerator the weights load straight onto it (no copy through host RAM), unless
+    # they are split first: then each rank moves its share only.
+    placement = {"device_map": str(device)} if device.type != "cpu" and tp is None else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False, **placement
+    )
+    model.eval()
+    lora_targets = target_modules(model)  # whole shapes, before splitting and quantization
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    sharded = shard_model(model, tp) if tp is not None else None
+    model = model.to(device)  # type: ignore[arg-type]  # transformers' .to() stub loses self
+    decoder = model.get_decoder()
+    lm_head = quantized_lm_head(model.get_output_embeddings(), device, quantization)
+    if quantization == "int8-weights":
+        quantize_decoder_weights(decoder, device)
+    elif quantization == "w8a8":
+        quantize_decoder_w8a8(decoder, device)
+    lm_head, layout = apply_linear_layout(
+        decoder, lm_head, linear_layout, device, compiled=compiled
+    )
+    log.info("linear layers: %s layout; LM head: %s", layout, lm_head)
+    # LoRA adapters wrap the projections in their final form (quantized or not), and the sums
+    # over the ranks wrap the adapters' (so an adapter's partial delta is summed too)
+    lora = LoRAModules.wrap(
+        model,
+        lora_targets,
+        max_loras,
+        max_lora_rank,
+        dtype,
+        shard=sharded,
+    )
+    if sharded is not None and tp is not None:
+        reduce_row_parallel(model, sharded, tp)
+    return ServingWeights(model, lm_head, vocab_size, layout, lora)

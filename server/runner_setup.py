@@ -1,0 +1,86 @@
+"""A model runner from the server's config, the same way on every rank: the driver's (in the
+engine's process) and each tensor-parallel follower's (server/process/tp_workers.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from server.config import ServerConfig
+from server.model.devices import (
+    compiler_available,
+    pick_dtype,
+    resolve_quantization,
+    resolve_torch_compile,
+)
+from server.model.kv_budget import KVBudget
+from server.model.loader import default_cache_dir
+from server.model.runner import ModelRunner
+from server.model.tp_group import TPGroup
+
+log = logging.getLogger(__name__)
+
+
+def build_runner(
+    config: ServerConfig, model_dir: Path, device: torch.device, tp: TPGroup | None = None
+) -> ModelRunner:
+    """Load the weights (this rank's share under `tp`) and size the KV pool."""
+    quantization = resolve_quantization(config.quantization, config.dtype, device)
+    compile_decode = resolve_torch_compile(
+        config.torch_compile, config.quantization, quantization, device
+    )
+    if config.quantization == "auto" and device.type == "cpu" and (tp is None or tp.is_driver):
+        log.info("CPU default: %s", cpu_default_summary(quantization, compile_decode, device))
+    compile_cache = (config.cache_dir or default_cache_dir()) / "compiled"
+    if compile_decode:  # inductor's kernels too, unless its cache is set elsewhere
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
+    return ModelRunner(
+        model_dir,
+        device=device,
+        dtype=pick_dtype(config.dtype, device),
+        block_size=config.block_size,
+        num_blocks=config.num_kv_blocks,
+        kv_budget=KVBudget(
+            kv_cache_bytes=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        ),
+        quantization=quantization,
+        linear_layout=config.linear_layout,
+        attention_backend=config.attention_backend,
+        compile_decode=compile_decode,
+        compile_cache=compile_cache,
+        cuda_graphs=config.cuda_graphs and device.type == "cuda",
+        max_loras=config.max_loras if config.lora_enabled else 0,
+        max_lora_rank=config.max_lora_rank,
+        tp=tp,
+    )
+
+
+def set_threads(config: ServerConfig, ranks_on_this_host: int) -> None:
+    """torch's intra-op threads: the config's, else the cores shared out among the ranks that
+    run on this host's CPU (one rank: torch's own default)."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    elif ranks_on_this_host > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_this_host))
+
+
+def cpu_default_summary(quantization: str, compiled: bool, device: torch.device) -> str:
+    """What `quantization auto` and an empty `torch_compile` chose on this CPU, and why."""
+    if quantization != "w8a8":
+        return (
+            "fp32, exact (no int8 dot-product instructions on this CPU, or an explicit --dtype); "
+            "--quantization w8a8 --torch-compile is the fast CPU setting"
+        )
+    said = "w8a8 (int8 GEMMs, the LM head's top candidates re-scored exactly)"
+    if compiled:
+        said += ", decode step compiled (about 1.5 min at a first start; later starts load it)"
+    elif not compiler_available(device):
+        said += ", not compiled: inductor needs a C++ compiler on PATH (g++ adds 1.3-1.5x)"
+    return said + "; --dtype float32 is the exact mode"
