@@ -34,8 +34,8 @@ from server.model.weights import text_config
 from server.process.client import EngineProcessClient
 from server.work import DeferredTokens, ScoreSpan, WorkItem
 from tests.lora_adapters import make_adapter
-from tests.test_engine_process import post
 from tests.reliability_helpers import assert_openai_error, process_gone, sse_payloads
+from tests.test_engine_process import post
 
 pytestmark = pytest.mark.timeout(600)
 # fp32 logprobs of a split model against the whole one: the row-parallel sums and the attention
