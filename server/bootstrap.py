@@ -18,6 +18,8 @@ from server.loading import freeze_start_up_objects, load_engine, load_tokenizer
 from server.metrics import Metrics
 from server.model.devices import pick_device
 from server.model.loader import loading_plan, locate_model, resolve_model_dir, served_model_name
+from server.model.tp_shard import check_tp_size
+from server.model.weights import text_config
 from server.process.client import EngineProcessClient
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,13 @@ def prepare_model(config: ServerConfig) -> ServerConfig:
         "%s; the port opens now and /health answers 503 until the model is ready",
         loading_plan(located, config.cache_dir),
     )
+    if config.tensor_parallel_size > 1 and located.path.is_dir():  # a GGUF: once converted
+        check_tp_size(
+            text_config(located.path),
+            config.tensor_parallel_size,
+            pick_device(config.device),
+            config.ranks_per_node,
+        )
     name = config.served_model_name or located.name
     adapters = locate_adapters(config.lora_adapters(), name)
     return config.model_copy(

@@ -61,7 +61,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "num_speculative_tokens",
         "engine_process",
     ),
-    "tensor parallelism": ("tensor_parallel_size",),
+    "tensor parallelism": ("tensor_parallel_size", "nnodes", "node_rank"),
     "security": (
         "api_keys",
         "api_key_file",

@@ -17,6 +17,35 @@ class ParallelSettings(BaseModel):
         "is then always on); decode steps run eagerly; 1 = one device",
     )
 
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description="nodes the tensor_parallel_size ranks are spread over, evenly; every node "
+        "runs the same command with its node_rank, and they meet at MASTER_ADDR:MASTER_PORT "
+        "(node 0's address and a free port of it)",
+    )
+    node_rank: int = Field(
+        0,
+        ge=0,
+        description="this node's index among nnodes: 0 serves HTTP and holds rank 0; the others "
+        "run their ranks headless (no port)",
+    )
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @model_validator(mode="after")
+    def _ranks_fit_the_nodes(self) -> ParallelSettings:
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}) must divide evenly over "
+                f"nnodes ({self.nnodes})"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be < nnodes ({self.nnodes})")
+        return self
+
     @model_validator(mode="after")
     def _ranks_need_the_engine_process(self) -> ParallelSettings:
         if self.tensor_parallel_size > 1 and getattr(self, "engine_process", "auto") == "off":

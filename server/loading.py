@@ -74,7 +74,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     device = pick_device(config.device)
     config = with_device_defaults(config, device.type)  # a no-op when `beamline serve` did it
-    set_threads(config, config.tensor_parallel_size if device.type == "cpu" else 1)
+    set_threads(config, config.ranks_per_node if device.type == "cpu" else 1)
     log.info("torch intra-op threads: %d", torch.get_num_threads())
     workers, group = start_tensor_parallel(config, device)
     device = group.device if group else device
@@ -107,9 +107,10 @@ def start_tensor_parallel(
     size = config.tensor_parallel_size
     if size == 1:
         return None, None
-    check_tp_size(text_config(resolve_model_dir(config.model, config.cache_dir)), size, device)
-    rendezvous = Rendezvous.from_env()
-    workers = TPWorkers(config, range(1, size), size, rendezvous)
+    model_config = text_config(resolve_model_dir(config.model, config.cache_dir))
+    check_tp_size(model_config, size, device, config.ranks_per_node)
+    rendezvous = Rendezvous.from_env(required=config.nnodes > 1)
+    workers = TPWorkers(config, range(1, config.ranks_per_node), size, rendezvous)
     workers.start()
     log.info(
         "tensor parallel: %d ranks meet at %s (followers: pids %s)",

@@ -151,3 +151,13 @@ def process_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return state in ("Z", "X")
+
+
+def follower_pids(engine_pid: int) -> list[int]:
+    """The tensor-parallel ranks the engine process started (its spawned children)."""
+    children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    return [
+        int(pid)
+        for pid in children
+        if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    ]

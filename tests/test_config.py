@@ -81,7 +81,7 @@ def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
         "--attention-backend",
         "--num-threads", "--torch-compile", "--no-torch-compile", "--cuda-graphs",
         "--no-cuda-graphs", "--overlap-outputs", "--async-scheduling", "--num-speculative-tokens",
-        "--engine-process", "--tensor-parallel-size",
+        "--engine-process", "--tensor-parallel-size", "--nnodes", "--node-rank",
         "--block-size",
         "--kv-cache-memory",
         "--gpu-memory-utilization",

@@ -359,9 +359,10 @@ def test_dashboard_promql_parses(tmp_path: Path) -> None:
 # --- Kubernetes -------------------------------------------------------------------------------
 
 MANIFESTS = ["deployment.yaml", "service.yaml", "hpa.yaml"]
+TP2 = "deployment-tp2.yaml"
 
 
-@pytest.mark.parametrize("name", MANIFESTS)
+@pytest.mark.parametrize("name", [*MANIFESTS, TP2])
 def test_manifest_matches_the_kubernetes_schema(name: str) -> None:
     try:
         import kubernetes_validate
@@ -393,6 +394,44 @@ def test_manifests_agree_with_each_other_and_the_image() -> None:
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(PORT)
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == (deployment["kind"], deployment["metadata"]["name"])
+
+
+def test_the_tensor_parallel_variant_is_one_two_gpu_group_with_the_same_probes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base, tp2 = load_yaml(K8S / "deployment.yaml"), load_yaml(K8S / TP2)
+    pod, base_pod = tp2["spec"]["template"], base["spec"]["template"]
+    # Its own name and labels: both Deployments can run side by side without sharing pods.
+    name = tp2["metadata"]["name"]
+    assert name != base["metadata"]["name"]
+    labels = pod["metadata"]["labels"]
+    assert tp2["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert not base["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (container,) = pod["spec"]["containers"]
+    (base_container,) = base_pod["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    for key in ("startupProbe", "livenessProbe", "readinessProbe", "ports"):
+        assert container[key] == base_container[key], key
+    assert pod["spec"]["securityContext"] == base_pod["spec"]["securityContext"]
+    # The server its arguments and environment start (over the image's) runs two ranks.
+    started: list[ServerConfig] = []
+    monkeypatch.setattr("server.http_server.run_server", started.append)
+    monkeypatch.setattr(cli, "setup_logging", lambda *args: None)
+    for key in [k for k in os.environ if k.startswith("BEAMLINE_")]:
+        monkeypatch.delenv(key)
+    env = {**FINAL.env(), **{e["name"]: e["value"] for e in container.get("env", [])}}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    entrypoint = FINAL.last("ENTRYPOINT").exec_form()
+    assert cli.main(entrypoint[1:] + container.get("args", FINAL.last("CMD").exec_form())) == 0
+    (config,) = started
+    assert config.tensor_parallel_size == 2
+    assert (config.host, config.port) == ("0.0.0.0", PORT)
+    # NCCL needs more shared memory than a container's default /dev/shm: a memory-backed one.
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert volumes[mounts[CACHE_DIR]]["emptyDir"]
 
 
 def test_hpa_metric_is_what_the_adapter_serves_from_an_exposed_metric() -> None:

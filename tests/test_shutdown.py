@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.live_server import free_port
-from tests.reliability_helpers import assert_openai_error, process_gone, sse_payloads
+from tests.reliability_helpers import assert_openai_error, follower_pids, process_gone, sse_payloads
 from tests.tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +31,8 @@ STARTUP_S = 120
 # The in-flight requests must outlast the drain checks by a wide margin however fast the CPU
 # default is: 4 rows of 3,000 tokens take seconds, the checks tens of milliseconds.
 IN_FLIGHT_TOKENS = 3000
+# two ranks step slower (a broadcast, the sums over the ranks): fewer tokens last as long
+IN_FLIGHT_TOKENS_TWO_RANKS = 1000
 CONTEXT = 4096
 DRAIN_TIMEOUT_S = 90
 
@@ -40,6 +42,7 @@ class Served:
     proc: subprocess.Popen[bytes]
     url: str
     log: Path
+    tokens: int = IN_FLIGHT_TOKENS  # of each in-flight request
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
@@ -64,7 +67,7 @@ def long_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(path, "llama", max_position_embeddings=CONTEXT)
 
 
-@pytest.fixture(params=["off", "on"], ids=["engine-thread", "engine-process"])
+@pytest.fixture(params=["off", "on", "tp2"], ids=["engine-thread", "engine-process", "two-ranks"])
 def served(
     long_llama_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Served]:
@@ -88,7 +91,8 @@ def served(
         "--num-threads",
         "1",
         "--engine-process",
-        request.param,
+        "off" if request.param == "off" else "on",
+        *(["--tensor-parallel-size", "2"] if request.param == "tp2" else []),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with log.open("wb") as out:
@@ -96,7 +100,8 @@ def served(
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, url, log)
-        yield Served(proc, url, log)
+        tokens = IN_FLIGHT_TOKENS_TWO_RANKS if request.param == "tp2" else IN_FLIGHT_TOKENS
+        yield Served(proc, url, log, tokens)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -111,9 +116,9 @@ BODY = {
 }
 
 
-def streamed_request(url: str, started: threading.Event) -> int:
+def streamed_request(url: str, started: threading.Event, tokens: int) -> int:
     """Stream a long completion; set `started` at the first event; return its completion tokens."""
-    body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    body = {**BODY, "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=DRAIN_TIMEOUT_S) as r:
         assert r.status_code == 200, r.read()
         text = ""
@@ -125,8 +130,10 @@ def streamed_request(url: str, started: threading.Event) -> int:
     return json.loads(payloads[-2])["usage"]["completion_tokens"]
 
 
-def plain_request(url: str) -> int:
-    r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=DRAIN_TIMEOUT_S)
+def plain_request(url: str, tokens: int) -> int:
+    r = httpx.post(
+        f"{url}/v1/completions", json={**BODY, "max_tokens": tokens}, timeout=DRAIN_TIMEOUT_S
+    )
     assert r.status_code == 200, r.text
     return r.json()["usage"]["completion_tokens"]
 
@@ -159,10 +166,14 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: 
     assert "torch intra-op threads: 1" in served.log.read_text()  # --num-threads reached torch
     engine_pid = engine_process_pid(served.log.read_text())
     assert (engine_pid is not None) == ("--engine-process on" in " ".join(served.proc.args))
+    ranks = follower_pids(engine_pid) if engine_pid is not None else []
+    assert len(ranks) == int("--tensor-parallel-size 2" in " ".join(served.proc.args))
     with ThreadPoolExecutor(max_workers=4) as pool:
         started = [threading.Event() for _ in range(3)]
-        streams: list[Future[int]] = [pool.submit(streamed_request, url, ev) for ev in started]
-        plain = pool.submit(plain_request, url)
+        streams: list[Future[int]] = [
+            pool.submit(streamed_request, url, ev, served.tokens) for ev in started
+        ]
+        plain = pool.submit(plain_request, url, served.tokens)
         for ev in started:
             assert ev.wait(60), "a stream never started"
         wait_in_flight(url, 4)
@@ -190,8 +201,8 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: 
         )
 
         # Every in-flight request runs to its last token.
-        assert [f.result(timeout=DRAIN_TIMEOUT_S + 30) for f in streams] == [IN_FLIGHT_TOKENS] * 3
-        assert plain.result(timeout=DRAIN_TIMEOUT_S + 30) == IN_FLIGHT_TOKENS
+        assert [f.result(timeout=DRAIN_TIMEOUT_S + 30) for f in streams] == [served.tokens] * 3
+        assert plain.result(timeout=DRAIN_TIMEOUT_S + 30) == served.tokens
 
     returncode = served.proc.wait(timeout=DRAIN_TIMEOUT_S + 30)
     log = served.log.read_text()
@@ -202,6 +213,6 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(served: 
     assert "Traceback" not in log, log[-3000:]
     if engine_pid is not None:
         deadline = time.monotonic() + 10
-        while not process_gone(engine_pid):
-            assert time.monotonic() < deadline, "the engine process outlived the server"
+        while not all(process_gone(pid) for pid in [engine_pid, *ranks]):
+            assert time.monotonic() < deadline, "the engine process or a rank outlived the server"
             time.sleep(0.05)

@@ -34,7 +34,12 @@ from server.model.weights import text_config
 from server.process.client import EngineProcessClient
 from server.work import DeferredTokens, ScoreSpan, WorkItem
 from tests.lora_adapters import make_adapter
-from tests.reliability_helpers import assert_openai_error, process_gone, sse_payloads
+from tests.reliability_helpers import (
+    assert_openai_error,
+    follower_pids,
+    process_gone,
+    sse_payloads,
+)
 from tests.test_engine_process import post
 
 pytestmark = pytest.mark.timeout(600)
@@ -102,7 +107,16 @@ def comparable(response: httpx.Response) -> Any:
     assert response.status_code == 200, response.text
     if response.headers["content-type"].startswith("text/event-stream"):
         events = [json.loads(p) for p in sse_payloads(response.text) if p != "[DONE]"]
-        return [(e["choices"], e.get("usage")) for e in events]
+        texts: dict[int, str] = {}  # per choice: how tokens group into events is timing's
+        for choice in (c for e in events for c in e["choices"]):
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        ends = sorted(
+            (c["index"], c["finish_reason"])
+            for e in events
+            for c in e["choices"]
+            if c["finish_reason"]
+        )
+        return texts, ends
     return {k: v for k, v in response.json().items() if k not in ("id", "created")}
 
 
@@ -271,16 +285,6 @@ def test_the_default_model_on_two_ranks_gives_hugging_faces_greedy_tokens() -> N
         ctx.engine.shutdown()
 
 
-def follower_pids(engine_pid: int) -> list[int]:
-    """The tensor-parallel ranks the engine process started (its spawned children)."""
-    children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
-    return [
-        int(pid)
-        for pid in children
-        if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    ]
-
-
 async def test_a_dead_rank_ends_the_engine_fails_its_requests_and_health(
     gemma_dir: Path,
 ) -> None:
@@ -345,7 +349,7 @@ def test_kv_heads_that_neither_divide_nor_are_divided_are_refused(gemma_dir: Pat
 
 def test_more_ranks_than_gpus_is_refused(gemma_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(TPConfigError, match="needs 2 GPUs; this machine has 1"):
+    with pytest.raises(TPConfigError, match="needs 2 GPUs on this node; it has 1"):
         check_tp_size(text_config(gemma_dir), 2, torch.device("cuda"))
 
 

@@ -38,9 +38,16 @@ class Rendezvous:
     port: int
 
     @classmethod
-    def from_env(cls) -> Rendezvous:
-        port = os.environ.get("MASTER_PORT")
-        return cls(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port) if port else free_port())
+    def from_env(cls, required: bool = False) -> Rendezvous:
+        """From MASTER_ADDR and MASTER_PORT; on one node they may be left out (this host and a
+        free port), across nodes (`required`) both must name node 0's."""
+        address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if required and not (address and port):
+            raise ValueError(
+                "ranks on several nodes meet at MASTER_ADDR:MASTER_PORT (node 0's address and a "
+                "free port of it): set both, the same on every node"
+            )
+        return cls(address or "127.0.0.1", int(port) if port else free_port())
 
     @property
     def url(self) -> str:

@@ -49,8 +49,11 @@ def heads_of(config: Any) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-def check_tp_size(config: Any, size: int, device: torch.device) -> None:
-    """TPConfigError unless `size` ranks can split this model on this machine."""
+def check_tp_size(
+    config: Any, size: int, device: torch.device, ranks_here: int | None = None
+) -> None:
+    """TPConfigError unless `size` ranks (`ranks_here` of them on this node) can split this
+    model on this machine."""
     if size == 1:
         return
     heads, kv_heads, _ = heads_of(config)
@@ -73,9 +76,10 @@ def check_tp_size(config: Any, size: int, device: torch.device) -> None:
         raise TPConfigError(
             f"tensor_parallel_size {size} cannot split {config.model_type}: " + "; ".join(problems)
         )
-    if device.type == "cuda" and torch.cuda.device_count() < size:
+    here = ranks_here or size
+    if device.type == "cuda" and torch.cuda.device_count() < here:
         raise TPConfigError(
-            f"tensor_parallel_size {size} needs {size} GPUs; this machine has "
+            f"tensor_parallel_size {size} needs {here} GPUs on this node; it has "
             f"{torch.cuda.device_count()}"
         )
 

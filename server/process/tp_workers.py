@@ -48,9 +48,11 @@ class TPWorkers:
         size: int,
         rendezvous: Rendezvous,
         on_death: Callable[[str], None] = _end_this_process,
+        headless: bool = False,
     ) -> None:
         context = mp.get_context("spawn")
         self.on_death = on_death
+        self.headless = headless  # a node past the first: the ranks end when the driver says
         self.stopping = False
         self.lifelines: list[Connection] = []
         self.processes = []
@@ -84,16 +86,20 @@ class TPWorkers:
         threading.Thread(target=self._watch, name="beamline-tp-supervisor", daemon=True).start()
 
     def _watch(self) -> None:
+        """Report the first follower that ends before it was told to (on a headless node, the
+        driver's stop ends them all with code 0: only a failure is reported)."""
         sentinels = {p.sentinel: p for p in self.processes}
-        ended = wait(list(sentinels))
-        if self.stopping:
-            return
-        process = sentinels[ended[0]]  # type: ignore[index]
-        process.join(1)
-        self.on_death(
-            f"tensor-parallel {process.name} (pid {process.pid}) exited with code "
-            f"{process.exitcode}"
-        )
+        while sentinels:
+            for sentinel in wait(list(sentinels)):
+                process = sentinels.pop(sentinel)  # type: ignore[arg-type]
+                process.join(1)
+                if self.stopping or (self.headless and process.exitcode == 0):
+                    continue
+                self.on_death(
+                    f"tensor-parallel {process.name} (pid {process.pid}) exited with code "
+                    f"{process.exitcode}"
+                )
+                return
 
     def join(self, timeout: float = 30.0) -> None:
         """After the driver said stop: wait for every follower, killing what does not end."""
@@ -123,8 +129,9 @@ def run_follower(
     tqdm.set_lock(threading.RLock())  # no multiprocessing semaphore left to the tracker
     setup_logging(config.log_level, config.log_format)
     threading.Thread(target=_exit_with_driver, args=(lifeline,), daemon=True).start()
-    set_threads(config, size)
-    device = rank_device(pick_device(config.device), rank, size)
+    per_node = config.ranks_per_node
+    set_threads(config, per_node)
+    device = rank_device(pick_device(config.device), rank, per_node)
     group = TPGroup.join(rendezvous, rank, size, device)
     runner = build_runner(config, resolve_model_dir(config.model, config.cache_dir), device, group)
     runner.warm_up()
@@ -132,3 +139,40 @@ def run_follower(
     group.leave()
     logging.shutdown()
     os._exit(0)
+
+
+def serve_node(config: ServerConfig) -> int:
+    """A node past the first of a multi-node group (`node_rank` > 0): its share of the ranks,
+    no HTTP; ends when the driver stops them (0) or when one fails (1, the others killed)."""
+    per_node = config.ranks_per_node
+    first = config.node_rank * per_node
+    resolve_model_dir(config.model, config.cache_dir)  # a GGUF converted once, not per rank
+    failed = threading.Event()
+
+    def on_death(reason: str) -> None:
+        log.error("%s: ending this node's ranks", reason)
+        failed.set()
+
+    rendezvous = Rendezvous.from_env(required=True)
+    workers = TPWorkers(
+        config,
+        range(first, first + per_node),
+        config.tensor_parallel_size,
+        rendezvous,
+        on_death=on_death,
+        headless=True,
+    )
+    workers.start()
+    log.info(
+        "node %d of %d: ranks %d-%d (pids %s) meet the driver at %s",
+        config.node_rank,
+        config.nnodes,
+        first,
+        first + per_node - 1,
+        workers.pids,
+        rendezvous.url,
+    )
+    while any(p.is_alive() for p in workers.processes) and not failed.wait(0.5):
+        pass
+    workers.join(timeout=0 if failed.is_set() else 30)
+    return 1 if failed.is_set() else 0
