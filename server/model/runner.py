@@ -195,11 +195,12 @@ class ModelRunner:
         return decode_forward(self.decoder, input_ids, position_ids, ctx)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden.to(self.head_dtype)).float()
+        logits = self.lm_head(hidden.to(self.head_dtype))
+        if self.tp is not None:  # this rank's vocabulary: the driver gathers every rank's
+            logits = self.tp.gather_vocab(logits, self.vocab_size)  # in the head's dtype
+        logits = logits.float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        if self.tp is not None:  # this rank's vocabulary: the driver gathers every rank's
-            logits = self.tp.gather_vocab(logits, self.vocab_size)
         return logits
 
     @torch.inference_mode()

@@ -1,0 +1,38 @@
+"""`python -m benchmarks.tensor_parallel` at toy size (two ranks against one, the broadcast timed
+inside each step), and the per-step volume it computes, against the arithmetic by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import tensor_parallel
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_volume_of_a_llama_8b_step_at_256_rows_over_two_ranks() -> None:
+    v = tensor_parallel.step_volume(4096, 32, 128256, ranks=2, rows=256, context=1024)
+    one_reduce = 256 * 4096 * 2  # rows x hidden, bf16
+    assert v.all_reduce_bytes == 65 * one_reduce  # 2 per layer + the embedding, ring: 2 (N-1)/N
+    assert v.logits_bytes == 256 * 128256 * 2 // 2  # the follower's half of the bf16 logits
+    assert v.inputs_bytes == 4 * (6 + 256 * (10 + 1 + 64))  # 64 blocks of 16 tokens a row
+    assert round(v.total_mib, 2) == 161.39
+    more = tensor_parallel.step_volume(4096, 32, 128256, ranks=8, rows=256, context=1024)
+    assert more.all_reduce_bytes == 65 * 2 * 7 * one_reduce // 8
+
+
+def test_the_benchmark_times_both_sizes_and_the_broadcast(llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tp.json"
+    args = ["--model", str(llama_dir), "--rows", "1,2", "--steps", "4", "--out", str(out)]
+    assert tensor_parallel.main(args) == 0
+    result = json.loads(out.read_text())
+    measured = {(m["ranks"], m["rows"]): m for m in result["measured"]}
+    assert set(measured) == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert all(m["broadcast_ms_p50"] == 0 for (ranks, _), m in measured.items() if ranks == 1)
+    assert all(m["broadcast_ms_p50"] > 0 for (ranks, _), m in measured.items() if ranks == 2)
+    ratio = result["step_time_ratio_vs_first_size"]["2_ranks_2_rows"]
+    assert ratio == measured[(2, 2)]["step_ms_p50"] / measured[(1, 2)]["step_ms_p50"]
+    assert [v["ranks"] for v in result["volume"]["per_step"]] == [2, 4, 8]
