@@ -95,7 +95,19 @@ def pair(llama_dir: Path, adapters: dict[str, Path]) -> Iterator[dict[int, Servi
     built: dict[int, ServingContext] = {}
     try:
         for tp in (1, 2):
-            built[tp] = start(config(llama_dir, tp, lora_modules=modules, num_kv_blocks=56))
+            # two ranks with CUDA's other defaults too: async scheduling broadcasts deferred
+            # tokens, which are still on the driver's device
+            cuda_defaults = "on" if tp == 2 else "off"
+            built[tp] = start(
+                config(
+                    llama_dir,
+                    tp,
+                    lora_modules=modules,
+                    num_kv_blocks=56,
+                    async_scheduling=cuda_defaults,
+                    overlap_outputs=cuda_defaults,
+                )
+            )
         yield built
     finally:
         for ctx in built.values():
