@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import server.loading
+import server.runner_setup
 from decoding import DecodingParams
 from server.config import ServerConfig, load_config
 from server.engine.engine import Engine
@@ -288,15 +288,15 @@ def test_the_cpu_default_says_what_it_chose_at_start_up(
         monkeypatch.delenv("CXX", raising=False)
     compiling: list[bool] = []
     # the compile itself is tested above; here only whether the runner was asked for it
-    real_runner = server.loading.ModelRunner
+    real_runner = server.runner_setup.ModelRunner
 
     def runner(*args: object, compile_decode: bool, **kwargs: object) -> object:
         compiling.append(compile_decode)
         return real_runner(*args, compile_decode=False, **kwargs)
 
-    monkeypatch.setattr(server.loading, "ModelRunner", runner)
+    monkeypatch.setattr(server.runner_setup, "ModelRunner", runner)
     config = ServerConfig(model=str(llama_dir), cache_dir=tmp_path, num_kv_blocks=16, **overrides)
-    with caplog.at_level(logging.INFO, logger="server.loading"):
+    with caplog.at_level(logging.INFO, logger="server.runner_setup"):
         loaded = load_engine(config)
     lines = [r.getMessage() for r in caplog.records if "CPU default" in r.getMessage()]
     if said is None:
