@@ -57,12 +57,14 @@ class LoadedEngine:
 
     def close(self) -> None:
         """Stop the follower ranks, if any (after the engine's last step)."""
-        if self.runner.tp_steps is not None and self.workers is not None:
-            try:
-                self.runner.tp_steps.stop()
-                self.workers.join()
-            finally:
-                self.runner.tp_steps.group.leave()
+        if self.runner.tp_steps is None or self.workers is None:
+            return
+        try:
+            self.runner.tp_steps.stop()
+        except Exception:  # a rank already gone: its supervisor has ended this process or will
+            log.warning("the other tensor-parallel ranks could not be told to stop", exc_info=True)
+        self.workers.join()
+        self.runner.tp_steps.group.leave()
 
 
 def load_engine(config: ServerConfig) -> LoadedEngine:
