@@ -14,12 +14,15 @@ from server.config import ServerConfig
 from server.device_defaults import with_device_defaults
 from server.engine.async_engine import AsyncEngine
 from server.engine.client import EngineClient
-from server.loading import freeze_start_up_objects, load_engine, load_tokenizer
+from server.loading import (
+    check_tensor_parallel,
+    freeze_start_up_objects,
+    load_engine,
+    load_tokenizer,
+)
 from server.metrics import Metrics
 from server.model.devices import pick_device
 from server.model.loader import loading_plan, locate_model, resolve_model_dir, served_model_name
-from server.model.tp_shard import check_tp_size
-from server.model.weights import text_config
 from server.process.client import EngineProcessClient
 
 log = logging.getLogger(__name__)
@@ -48,13 +51,8 @@ def prepare_model(config: ServerConfig) -> ServerConfig:
         "%s; the port opens now and /health answers 503 until the model is ready",
         loading_plan(located, config.cache_dir),
     )
-    if config.tensor_parallel_size > 1 and located.path.is_dir():  # a GGUF: once converted
-        check_tp_size(
-            text_config(located.path),
-            config.tensor_parallel_size,
-            pick_device(config.device),
-            config.ranks_per_node,
-        )
+    if located.path.is_dir():  # a GGUF file: once converted, before the engine loads
+        check_tensor_parallel(config, located.path)
     name = config.served_model_name or located.name
     adapters = locate_adapters(config.lora_adapters(), name)
     return config.model_copy(
@@ -108,6 +106,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
     engine: EngineClient
     if runs_engine_process(config.engine_process, device.type, config.tensor_parallel_size):
         model_dir = resolve_model_dir(config.model, config.cache_dir)  # converts a GGUF once
+        check_tensor_parallel(config, model_dir)  # before a process is started for nothing
         process = EngineProcessClient(config, metrics)
         process.start()
         log.info("engine process %s ready in %.0f s", process.pid, time.monotonic() - started)

@@ -109,8 +109,7 @@ def start_tensor_parallel(
     size = config.tensor_parallel_size
     if size == 1:
         return None, None
-    model_config = text_config(resolve_model_dir(config.model, config.cache_dir))
-    check_tp_size(model_config, size, device, config.ranks_per_node)
+    check_tensor_parallel(config, resolve_model_dir(config.model, config.cache_dir))
     rendezvous = Rendezvous.from_env(required=config.nnodes > 1)
     workers = TPWorkers(config, range(1, config.ranks_per_node), size, rendezvous)
     workers.start()
@@ -121,6 +120,15 @@ def start_tensor_parallel(
         workers.pids,
     )
     return workers, TPGroup.join(rendezvous, 0, size, rank_device(device, 0, size))
+
+
+def check_tensor_parallel(config: ServerConfig, model_dir: Path) -> None:
+    """tp_shard.TPConfigError unless the config's ranks can split the model in `model_dir` on
+    this node (its heads and MLP, its GPUs): a config.json read, nothing loaded."""
+    if config.tensor_parallel_size > 1:
+        device = pick_device(config.device)
+        size, here = config.tensor_parallel_size, config.ranks_per_node
+        check_tp_size(text_config(model_dir), size, device, here)
 
 
 def freeze_start_up_objects() -> None:

@@ -326,18 +326,6 @@ async def test_a_dead_rank_ends_the_engine_fails_its_requests_and_health(
     assert process_gone(engine.pid) and process_gone(follower)
 
 
-def test_shutdown_stops_every_rank(gemma_dir: Path) -> None:
-    ctx = start(config(gemma_dir, 2, num_kv_blocks=64))
-    assert isinstance(ctx.engine, EngineProcessClient) and ctx.engine.pid is not None
-    followers = follower_pids(ctx.engine.pid)
-    assert len(followers) == 1
-    ctx.engine.shutdown()
-    deadline = time.monotonic() + 10
-    while not all(process_gone(pid) for pid in [ctx.engine.pid, *followers]):
-        assert time.monotonic() < deadline, "a rank outlived its engine"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize(
     ("size", "reason"),
     [(3, "4 attention heads do not divide by 3"), (8, "4 attention heads do not divide by 8")],
@@ -348,7 +336,7 @@ def test_an_impossible_size_is_refused_before_loading(
     started = time.monotonic()
     with pytest.raises(ModelLoadFailed, match=reason):
         build_serving_context(config(gemma_dir, size))
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 5  # a config.json read: no process started
 
 
 def test_kv_heads_that_neither_divide_nor_are_divided_are_refused(gemma_dir: Path) -> None:

@@ -4,9 +4,11 @@ inside each step), and the per-step volume it computes, against the arithmetic b
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import tensor_parallel
 
@@ -24,6 +26,16 @@ def test_the_volume_of_a_llama_8b_step_at_256_rows_over_two_ranks() -> None:
     assert more.all_reduce_bytes == 65 * 2 * 7 * one_reduce // 8
 
 
+@pytest.fixture
+def restored_threads() -> Iterator[None]:
+    """The benchmark's process is the driver, and a driver of 2 ranks on the CPU takes half the
+    cores for itself: this test's process gets its thread count back afterwards."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("restored_threads")
 def test_the_benchmark_times_both_sizes_and_the_broadcast(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     args = ["--model", str(llama_dir), "--rows", "1,2", "--steps", "4", "--out", str(out)]
