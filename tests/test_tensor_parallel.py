@@ -248,7 +248,7 @@ def four_ranks(gemma_dir: Path) -> Iterator[dict[int, ServingContext]]:
     built: dict[int, ServingContext] = {}
     try:
         for tp in (1, 4):
-            built[tp] = start(config(gemma_dir, tp, num_kv_blocks=128, num_threads=1))
+            built[tp] = start(config(gemma_dir, tp, num_kv_blocks=128))  # a core per 2 ranks
         yield built
     finally:
         for ctx in built.values():
