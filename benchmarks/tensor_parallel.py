@@ -10,7 +10,8 @@ cost, in ms, of what tensor parallelism adds per step. On a one-GPU machine it c
 
 Computed, for a model shape (Llama-3-8B by default) at `--volume-rows` rows and bfloat16
 activations: the bytes a decode step moves between N ranks, from the layer shapes alone
-(`step_volume`). Speculation and the prefix cache are off; fp32 weights (the exact mode).
+(`step_volume`). Speculation and the prefix cache are off; fp32 weights on the CPU (the exact
+mode), bf16 on CUDA (`--device cuda`: rank r on cuda:r, over NCCL).
 
     python -m benchmarks.tensor_parallel                     # default model, 1 and 16 rows
     python -m benchmarks.tensor_parallel --model DIR --rows 1,4 --steps 16
@@ -80,12 +81,14 @@ class Measured:
     broadcast_share: float  # of the step
 
 
-def engine_config(model: str | None, ranks: int, rows: int, steps: int) -> ServerConfig:
+def engine_config(
+    model: str | None, ranks: int, rows: int, steps: int, device: str = "cpu"
+) -> ServerConfig:
     max_len = PROMPT_TOKENS + steps + 32
     return ServerConfig(
         model=model,
-        device="cpu",
-        dtype="float32",
+        device=device,
+        dtype="float32" if device == "cpu" else "bfloat16",  # the CPU's exact mode; CUDA's own
         linear_layout="native",  # the same layout on every rank and at every size
         tensor_parallel_size=ranks,
         num_speculative_tokens=0,
@@ -149,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = [int(r) for r in args.rows.split(",")]
     measured: list[Measured] = []
     for ranks in sizes:
-        loaded = load_engine(engine_config(args.model, ranks, max(rows), args.steps))
+        loaded = load_engine(engine_config(args.model, ranks, max(rows), args.steps, args.device))
         try:
             loaded.runner.warm_up()
             for r in rows:
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF directory, .gguf or hub id (default: Gemma 3 270M)")
     p.add_argument("--sizes", default="1,2", help="tensor-parallel sizes, the first the baseline")
+    p.add_argument("--device", default="cpu", help="cpu (gloo), or cuda: rank r on cuda:r (NCCL)")
     p.add_argument("--rows", default="1,16", help="rows per measured step")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per row count")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
