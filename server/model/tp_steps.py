@@ -48,7 +48,10 @@ class TokenWindow:
 
     def __getitem__(self, key: int | slice) -> int | list[int]:
         if isinstance(key, slice):
-            return [self._at(i) for i in range(*key.indices(self.length))]
+            start, stop, step = key.indices(self.length)
+            if step == 1 and start == self.offset:  # the step's own tokens: each step reads them
+                return self.tokens[: max(stop - start, 0)]
+            return [self._at(i) for i in range(start, stop, step)]
         return self._at(key)
 
 
