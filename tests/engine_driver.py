@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from decoding import DecodingParams
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput, Sequence
-from server.work import NO_ADAPTER
+from server.step_plan import NO_ADAPTER
 
 
 @dataclass(eq=False)

@@ -38,11 +38,13 @@ def count_deferred(engine: Engine) -> list[int]:
     seen: list[int] = []
     execute = engine.runner.execute
 
-    def counting(items, copies, deferred=None):  # type: ignore[no-untyped-def]
-        seen.append(len(deferred.items) if deferred is not None else 0)
-        for i in deferred.items if deferred is not None else []:
-            assert items[i].seq.token_ids[items[i].seq.num_computed] == PLACEHOLDER
-        return execute(items, copies, deferred)
+    def counting(plan):  # type: ignore[no-untyped-def]
+        deferred = plan.deferred
+        seen.append(len(deferred.rows) if deferred is not None else 0)
+        starts = plan.token_starts()
+        for i in deferred.rows if deferred is not None else []:
+            assert plan.tokens[starts[i]] == PLACEHOLDER
+        return execute(plan)
 
     engine.runner.execute = counting  # type: ignore[method-assign]
     return seen
@@ -143,9 +145,9 @@ def test_a_finishing_token_costs_one_dropped_row_and_a_length_limit_none(llama_d
         rows_run: list[int] = []
         execute = engine.runner.execute
 
-        def counting(items, copies, deferred=None, execute=execute, rows_run=rows_run):  # type: ignore[no-untyped-def]
-            rows_run.append(sum(item.num_new for item in items))
-            return execute(items, copies, deferred)
+        def counting(plan, execute=execute, rows_run=rows_run):  # type: ignore[no-untyped-def]
+            rows_run.append(plan.num_tokens)
+            return execute(plan)
 
         engine.runner.execute = counting  # type: ignore[method-assign]
         by_id = run(engine, [(prompt, ended)])
@@ -199,9 +201,9 @@ def test_the_step_reads_once_after_the_next_forward_is_queued(llama_dir: Path, k
     events: list[str] = []
     execute = engine.runner.execute
 
-    def queued(items, copies, deferred=None):  # type: ignore[no-untyped-def]
+    def queued(plan):  # type: ignore[no-untyped-def]
         events.append("forward")
-        return execute(items, copies, deferred)
+        return execute(plan)
 
     engine.runner.execute = queued  # type: ignore[method-assign]
     for _ in range(5):

@@ -18,13 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from decoding import DecodingParams
 from server.engine import sampling_step
 from server.engine.engine import Engine
-from server.engine.request import Sequence
 from server.model.cuda_graphs import row_buckets
 from server.model.kv_budget import KVBudget
 from server.model.runner import ModelRunner
-from server.work import WorkItem
+from server.step_plan import StepPlan
 from tests.conftest import TEST_DEVICE
-from tests.engine_driver import generate, stub_rows
+from tests.engine_driver import generate
 from tests.test_engine_correctness import PROMPTS, hf_greedy
 from tests.test_host_syncs import CopyCounter, ReadCounter
 from tests.test_torch_compile import served_config
@@ -85,22 +84,28 @@ def test_padding_rows_write_only_the_scratch_block(tiny_model_dirs: dict[str, Pa
     graphs = runner.graphs
     assert graphs is not None
     keys = runner.kv_cache.keys[0]
+    scratch = runner.num_blocks * 4
+    # the capture wrote the scratch block already, with values the padding row may write again
+    # bit for bit: a sentinel there makes its write visible
+    keys[scratch : scratch + 4] = 123.0
     before = keys.clone()
     tables, tokens, positions = [[3, 4], [7], [9]], [11, 12, 13], [5, 2, 0]
     with torch.inference_mode():  # as in ModelRunner.execute
         logits = graphs.run(tables, tokens, positions).clone()
     assert logits.shape == (3, runner.vocab_size)
     changed = (keys != before).flatten(1).any(dim=1).nonzero().flatten().tolist()
-    scratch = runner.num_blocks * 4
     assert changed == sorted([4 * 4 + 1, 7 * 4 + 2, 9 * 4, scratch])  # 3 rows + 1 padding slot
-    eager = runner._execute_packed  # the same rows through the packed kernel path
-    rows = []
-    for table, token, pos in zip(tables, tokens, positions):
-        row = stub_rows([token] * (pos + 1)).rows[0]
-        row.block_table, row.num_computed = table, pos
-        rows.append(WorkItem(row, 1))
+    # the same rows through the packed kernel path
+    plan = StepPlan(
+        row_ids=[0, 1, 2],
+        starts=positions,
+        num_new=[1, 1, 1],
+        num_drafts=[0, 0, 0],
+        samples=[True] * 3,
+        tokens=tokens,
+    )
     with torch.inference_mode():
-        torch.testing.assert_close(eager(rows).logits, logits)
+        torch.testing.assert_close(runner._execute_packed(plan, tables).logits, logits)
 
 
 def test_the_captured_forward_never_reads_the_device(tiny_model_dirs: dict[str, Path]) -> None:
@@ -119,17 +124,9 @@ def test_steps_beyond_the_graphs_run_eagerly(tiny_model_dirs: dict[str, Path]) -
     runner = graph_runner(tiny_model_dirs["llama"])
     graphs = runner.graphs
     assert graphs is not None
-    rows = [stub_row(i) for i in range(MAX_ROWS + 1)]
-    assert graphs.fits(rows[:MAX_ROWS]) and not graphs.fits(rows)
-    wide = stub_row(0)
-    wide.block_table = list(range(graphs.max_blocks + 1))
-    assert not graphs.fits([wide])
-
-
-def stub_row(i: int) -> Sequence:
-    row = stub_rows([5, 6]).rows[0]
-    row.block_table = [i]
-    return row
+    tables = [[i] for i in range(MAX_ROWS + 1)]
+    assert graphs.fits(tables[:MAX_ROWS]) and not graphs.fits(tables)
+    assert not graphs.fits([list(range(graphs.max_blocks + 1))])
 
 
 def test_a_runner_whose_graphs_were_not_captured_runs_eagerly(
@@ -137,7 +134,7 @@ def test_a_runner_whose_graphs_were_not_captured_runs_eagerly(
 ) -> None:
     """Benchmarks and tests build runners without the engine thread's warm-up."""
     runner = graph_runner(tiny_model_dirs["llama"], capture=False)
-    assert runner.graphs is not None and not runner.graphs.fits([stub_row(0)])
+    assert runner.graphs is not None and not runner.graphs.fits([[0]])
     engine = Engine(runner, AutoTokenizer.from_pretrained(tiny_model_dirs["llama"]))
     got = generate(engine, [[5, 6, 7]], DecodingParams(max_tokens=4, temperature=0.0))
     assert len(got[0].token_ids) == 4

@@ -47,7 +47,8 @@ def test_logits_of_a_mixed_prefill_and_decode_batch_match_transformers(
         if step in (2, 4):
             engine.scheduler.add(requests[step // 2])
         plan = engine.scheduler.schedule()
-        logits = engine.runner.execute(plan.items, plan.copies).logits
+        released = engine.scheduler.take_released()
+        logits = engine.runner.execute(engine.plans.build(plan.items, plan.copies, released)).logits
         sampled = engine.scheduler.update_from_output(plan)
         for row, item in enumerate(sampled):
             torch.testing.assert_close(

@@ -22,7 +22,7 @@ from server.model.kv_budget import (
     plan_num_blocks,
     profile_lengths,
     sampler_workload,
-    worst_case_items,
+    worst_case_plan,
 )
 from server.model.runner import ModelRunner
 from tests.conftest import make_engine
@@ -135,10 +135,10 @@ def test_the_worst_step_fills_the_token_budget_over_as_many_rows_as_allowed() ->
     assert profile_lengths(10, 64, 512) == [1] * 10  # rows need a token each
     assert profile_lengths(100, 4, 30) == [30, 30, 30, 10]  # prompts end at max_model_len
     assert profile_lengths(200, 4, 30) == [30] * 4  # the engine could not schedule more either
-    items, blocks = worst_case_items(KVBudget(max_num_seqs=3, max_num_batched_tokens=20), 512, 4)
-    assert [item.num_new for item in items] == [18, 1, 1]
-    assert all(item.samples for item in items)
-    assert [item.seq.block_table for item in items] == [[0, 1, 2, 3, 4], [5], [6]]
+    plan, blocks = worst_case_plan(KVBudget(max_num_seqs=3, max_num_batched_tokens=20), 512, 4)
+    assert plan.num_new == [18, 1, 1] and plan.starts == [0, 0, 0]
+    assert all(plan.samples) and plan.num_tokens == 20
+    assert [edit.blocks for edit in plan.table_edits] == [[0, 1, 2, 3, 4], [5], [6]]
     assert blocks == 7
 
 
@@ -164,9 +164,9 @@ def test_the_profile_step_runs_on_a_tiny_model_and_leaves_the_runner_serving(
     seen: list[tuple[int, int, tuple[int, ...]]] = []
     packed = runner._execute_packed
 
-    def spy(items):  # type: ignore[no-untyped-def]
-        out = packed(items)
-        seen.append((sum(i.num_new for i in items), len(items), tuple(out.logits.shape)))
+    def spy(plan, tables):  # type: ignore[no-untyped-def]
+        out = packed(plan, tables)
+        seen.append((plan.num_tokens, len(plan), tuple(out.logits.shape)))
         return out
 
     monkeypatch.setattr(runner, "_execute_packed", spy)

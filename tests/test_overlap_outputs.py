@@ -123,10 +123,10 @@ def test_a_row_ended_by_a_stop_string_computes_one_token_more_and_drops_it(
         rows_run = 0
         step = engine.runner.execute
 
-        def counting(items, copies, deferred=None, step=step):  # type: ignore[no-untyped-def]
+        def counting(plan, step=step):  # type: ignore[no-untyped-def]
             nonlocal rows_run
-            rows_run += sum(item.num_new for item in items)
-            return step(items, copies, deferred)
+            rows_run += plan.num_tokens
+            return step(plan)
 
         engine.runner.execute = counting  # type: ignore[method-assign]
         got = submit(engine, "r", prompt, params)

@@ -18,7 +18,7 @@ from server.engine.block_pool import BlockPool
 from server.engine.engine import Engine
 from server.engine.prefix_cache import PrefixCache, hash_block
 from server.engine.request import Sequence
-from server.engine.scheduler import Scheduler, StepPlan
+from server.engine.scheduler import Schedule, Scheduler
 from tests.conftest import make_engine, serving_context
 from tests.engine_driver import Collected, generate, run_to_completion, stub_rows, submit
 from tests.test_metrics_wiring import samples
@@ -131,7 +131,7 @@ def test_attach_takes_the_longest_matching_run_and_leaves_a_token_to_compute() -
 
 
 # ---- scheduler: admission from the cache ---------------------------------------------------------
-def advance(sched: Scheduler, plan: StepPlan) -> None:
+def advance(sched: Scheduler, plan: Schedule) -> None:
     """The engine's bookkeeping after a forward pass, with a fixed sampled token."""
     for item in sched.update_from_output(plan):
         item.seq.token_ids.append(7)

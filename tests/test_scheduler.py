@@ -1,6 +1,6 @@
 from server.engine.block_pool import BlockPool
 from server.engine.request import Sequence
-from server.engine.scheduler import Scheduler, StepPlan, enqueue
+from server.engine.scheduler import Schedule, Scheduler, enqueue
 from tests.engine_driver import stub_rows
 
 
@@ -13,7 +13,7 @@ def add(sched: Scheduler, *seqs: Sequence) -> None:
         sched.add(s.request)
 
 
-def advance(sched: Scheduler, plan: StepPlan) -> None:
+def advance(sched: Scheduler, plan: Schedule) -> None:
     """What the engine does after the forward pass: commit the step, append a sampled token."""
     for item in sched.update_from_output(plan):
         item.seq.token_ids.append(7)

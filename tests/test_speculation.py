@@ -23,7 +23,7 @@ from server.config import ServerConfig
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, Sequence
 from server.engine.speculation import VerifyBatch
-from server.work import WorkItem
+from server.engine.work import WorkItem
 from tests.conftest import make_engine, serving_context
 from tests.engine_driver import Collected, generate, run_to_completion, submit
 from tests.test_constrained_decoding import submit as submit_constrained
@@ -251,9 +251,9 @@ def test_drafts_fit_the_step_budget(llama_dir: Path) -> None:
     seen: list[int] = []
     execute = engine.runner.execute
 
-    def counting(items, copies, deferred=None):  # type: ignore[no-untyped-def]
-        seen.append(sum(item.num_new for item in items))
-        return execute(items, copies, deferred)
+    def counting(plan):  # type: ignore[no-untyped-def]
+        seen.append(plan.num_tokens)
+        return execute(plan)
 
     engine.runner.execute = counting  # type: ignore[method-assign]
     prompts = [engine.tokenizer(p).input_ids for p in LOOPING]

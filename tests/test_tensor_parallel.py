@@ -29,10 +29,8 @@ from server.config import ServerConfig
 from server.model.kv_pool import KVLayout
 from server.model.loader import resolve_model_dir
 from server.model.tp_shard import TPConfigError, check_tp_size
-from server.model.tp_steps import MirroredRow, TokenWindow, decode_step, encode_step
 from server.model.weights import text_config
 from server.process.client import EngineProcessClient
-from server.work import DeferredTokens, ScoreSpan, WorkItem
 from tests.lora_adapters import make_adapter
 from tests.reliability_helpers import (
     assert_openai_error,
@@ -363,50 +361,3 @@ def test_each_rank_pools_its_share_of_the_kv_heads(gemma_dir: Path) -> None:
     layouts = [KVLayout.of(model, 16, torch.float32, ranks=n) for n in (1, 2, 4)]
     assert [layout.kv_heads for layout in layouts] == [2, 1, 1]
     assert layouts[1].bytes_per_block * 2 == layouts[0].bytes_per_block
-
-
-def test_a_step_travels_as_integers_and_comes_back_the_same() -> None:
-    class Row:
-        def __init__(self, tokens: list[int], computed: int, table: list[int], slot: int):
-            self.token_ids, self.num_computed, self.block_table = tokens, computed, table
-            self.lora_slot = slot
-
-    rows = [
-        Row(list(range(100, 130)), 8, [3, 4, 5, 6, 7, 8, 9, 10], 1),  # a prompt chunk, scored
-        Row(list(range(40)), 39, [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], -1),  # decode + drafts
-    ]
-    items = [
-        WorkItem(rows[0], 12, ScoreSpan(8, 19, 2)),
-        WorkItem(rows[1], 4, None, [7, 8, 9]),
-    ]
-    values = torch.tensor([5, 6])
-    deferred = DeferredTokens(values, [1], [0])
-    got, copies, back = decode_step(encode_step(items, [(1, 2)], deferred), values)
-    assert copies == [(1, 2)]
-    assert back is not None and (back.items, back.sources) == ([1], [0])
-    for mirrored, item in zip(got, items):
-        row = mirrored.seq
-        assert isinstance(row, MirroredRow)
-        start = item.seq.num_computed
-        assert (mirrored.num_new, mirrored.score, mirrored.draft) == (
-            item.num_new,
-            item.score,
-            item.draft,
-        )
-        assert (row.num_computed, row.block_table, row.lora_slot) == (
-            start,
-            item.seq.block_table,
-            item.seq.lora_slot,
-        )
-        assert (
-            row.token_ids[start : start + item.num_new]
-            == item.seq.token_ids[start : start + item.num_new]
-        )
-        assert mirrored.samples == item.samples
-
-
-def test_a_token_window_reads_zero_outside_what_was_sent() -> None:
-    window = TokenWindow(10, [1, 2, 3], 20)
-    assert len(window) == 20
-    assert window[10] == 1 and window[12] == 3 and window[13] == 0 and window[2] == 0
-    assert window[9:14] == [0, 1, 2, 3, 0]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from server.engine.client import UnknownAdapter
 from server.engine.request import AdapterWeights, EngineRequest, ResolvedAdapter
-from server.work import NO_ADAPTER
+from server.step_plan import NO_ADAPTER
 
 
 class AdapterRegistry:

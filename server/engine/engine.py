@@ -34,16 +34,17 @@ from server.engine.in_flight import InFlight
 from server.engine.inbox import Inbox, UnloadAdapter
 from server.engine.lora_service import EngineLoRA
 from server.engine.output_processor import OutputProcessor
+from server.engine.plan_builder import PlanBuilder
 from server.engine.prefix_cache import PrefixCache
 from server.engine.prompt_scoring import PromptScoring
-from server.engine.request import EngineRequest, Sequence
+from server.engine.request import EngineRequest
 from server.engine.sampling_step import without_retired
 from server.engine.scheduler import Scheduler
 from server.engine.speculation import Speculator, VerifyBatch
 from server.engine.stats import EngineStats, StatsRecorder
+from server.engine.work import WorkItem
 from server.metrics import Metrics
 from server.model.runner import ModelRunner, eos_token_ids
-from server.work import WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Engine:
             propose=drafts if speculative_tokens > 0 else None,
             adapters=self.lora.slots if self.lora else None,
         )  # fmt: skip
+        self.plans = PlanBuilder(runner.block_size, lora=self.lora is not None)
         self.eos_token_ids = eos_token_ids(runner.model, tokenizer)
         self.output = OutputProcessor(tokenizer, self.max_model_len)
         self.recorder = StatsRecorder(self.pool, None)
@@ -189,8 +191,10 @@ class Engine:
     def _step(self) -> bool:
         self._drain_inbox()
         plan = self.scheduler.schedule(speculate=self._in_flight is None)
-        if self.lora is not None:
-            self.lora.install(self.scheduler.waiting, self.recorder.metrics)
+        if self.lora is not None:  # the adapters given a slot go in before the next forward
+            self.plans.installs += self.lora.take_installs(
+                self.scheduler.waiting, self.recorder.metrics
+            )
         self.recorder.schedule(len(plan.preempted), plan.cache_queries, plan.cache_hits)
         self.endings.record_state()
         if not plan.items:  # the last step's tokens and text, if they wait for a next step
@@ -201,7 +205,10 @@ class Engine:
         try:
             plan.items = self.prompt_scoring.plan(plan.items)
             deferred = self._in_flight.inputs(plan.items) if self._in_flight else None
-            output = self.runner.execute(plan.items, plan.copies, deferred)
+            released = self.scheduler.take_released()
+            output = self.runner.execute(
+                self.plans.build(plan.items, plan.copies, released, deferred)
+            )
             # Overlap: on a GPU the forward above is only queued; the previous step's tokens are
             # read and applied, and its text rendered, while it runs.
             if self._land() and deferred is not None:
@@ -237,9 +244,7 @@ class Engine:
         return True
 
     # ---- choosing tokens ------------------------------------------------------------------------
-    def _decode(
-        self, sampling: list[WorkItem[Sequence]], logits: torch.Tensor, reused: bool = False
-    ) -> None:
+    def _decode(self, sampling: list[WorkItem], logits: torch.Tensor, reused: bool = False) -> None:
         """Choose next tokens for every sampled row, then apply them request by request (a
         request's rows are adjacent: the scheduler plans by request). `reused`: the next step
         overwrites `logits` (a CUDA graph's output)."""

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from server.engine.request import Sequence
 from server.engine.sampling_step import Choices, PendingChoices
 from server.engine.speculation import VerifyBatch
-from server.work import DeferredTokens, WorkItem
+from server.engine.work import WorkItem
+from server.step_plan import DeferredTokens
 
 PLACEHOLDER = 0  # a valid id, so any host code that reads a row early reads a token
 
@@ -54,7 +55,7 @@ class InFlight:
         """Whether the next step can be planned without this step's token values."""
         return not any(batch.drafts) and all(s.request.search is None for s in batch.rows)
 
-    def inputs(self, items: list[WorkItem[Sequence]]) -> DeferredTokens | None:
+    def inputs(self, items: list[WorkItem]) -> DeferredTokens | None:
         """Where the next step's items take their first token from this step's tokens."""
         at, sources = [], []
         for i, item in enumerate(items):

@@ -5,14 +5,14 @@ the adapters' metrics. Only the engine uses it; the scheduler sees the slots alo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
 
 from server.engine.adapters import AdapterRegistry, AdapterSlots
 from server.engine.client import UnknownAdapter
 from server.engine.request import EngineRequest
 from server.metrics import Metrics
 from server.model.lora import LoRAModules
-from server.model.lora_files import AdapterError, LoRAAdapter
+from server.model.lora_files import AdapterError
+from server.step_plan import AdapterInstall
 
 
 class EngineLoRA:
@@ -35,13 +35,17 @@ class EngineLoRA:
             return str(exc)
         return None
 
-    def install(self, waiting: Iterable[EngineRequest], metrics: Metrics | None) -> None:
-        """Copy the adapters the scheduler just gave a slot into the model's slots, and publish
+    def take_installs(
+        self, waiting: Iterable[EngineRequest], metrics: Metrics | None
+    ) -> list[AdapterInstall]:
+        """The adapters the scheduler just gave a slot, for the next plan to install; publishes
         which adapters running and `waiting` requests use when that changed."""
-        for slot, weights in self.slots.take_installs():
-            self.lora.install(slot, cast(LoRAAdapter, weights))
-        if metrics is None:
-            return
+        installs = [AdapterInstall(slot, w.weights) for slot, w in self.slots.take_installs()]
+        if metrics is not None:
+            self._publish(waiting, metrics)
+        return installs
+
+    def _publish(self, waiting: Iterable[EngineRequest], metrics: Metrics) -> None:
         queued = sorted({r.adapter_name for r in waiting if r.adapter_name})
         state = (self.slots.running_names(), queued)
         if state != self._published:

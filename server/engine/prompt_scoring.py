@@ -15,7 +15,7 @@ import torch
 from decoding.logprobs import TokenLogprobs
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
 from server.engine.sampling_step import select_items
-from server.work import ScoreSpan, WorkItem
+from server.engine.work import ScoreSpan, WorkItem
 
 
 class PromptScoring:
@@ -35,8 +35,8 @@ class PromptScoring:
         self.prompt_only.discard(req)
 
     def split_prompt_only(
-        self, sampling: list[WorkItem[Sequence]], logits: torch.Tensor
-    ) -> tuple[list[WorkItem[Sequence]], torch.Tensor, list[Sequence]]:
+        self, sampling: list[WorkItem], logits: torch.Tensor
+    ) -> tuple[list[WorkItem], torch.Tensor, list[Sequence]]:
         """The rows that sample now, less those of max_tokens 0 requests (returned apart: their
         prompt is computed and scored, nothing is to be generated), with their logits."""
         keep = [i for i, item in enumerate(sampling) if item.seq.request not in self.prompt_only]
@@ -45,7 +45,7 @@ class PromptScoring:
         done = [item.seq for item in sampling if item.seq.request in self.prompt_only]
         return *select_items(sampling, logits, keep), done
 
-    def plan(self, items: list[WorkItem[Sequence]]) -> list[WorkItem[Sequence]]:
+    def plan(self, items: list[WorkItem]) -> list[WorkItem]:
         """The step's items, those with unscored prompt positions in their chunk asking for
         them (nothing to do, and no loop over the items, while no request is pending)."""
         if not self.pending:
@@ -53,7 +53,7 @@ class PromptScoring:
         return [self._with_span(item) for item in items]
 
     @staticmethod
-    def _with_span(item: WorkItem[Sequence]) -> WorkItem[Sequence]:
+    def _with_span(item: WorkItem) -> WorkItem:
         req = item.seq.request
         start, top = req.unscored_from, req.params.prompt_logprobs
         if start is None or top is None:
@@ -64,7 +64,7 @@ class PromptScoring:
             return item
         return WorkItem(item.seq, item.num_new, ScoreSpan(begin, end, top))
 
-    def record(self, items: list[WorkItem[Sequence]], scores: dict[int, TokenLogprobs]) -> None:
+    def record(self, items: list[WorkItem], scores: dict[int, TokenLogprobs]) -> None:
         """Append each scored span to its request's prompt logprobs, in prompt order."""
         for i, scored in scores.items():
             span, req = items[i].score, items[i].seq.request

@@ -19,7 +19,7 @@ from decoding.constraints import TokenConstraint
 from decoding.processors import PenaltyHistory
 from decoding.speculation import RowDrafts
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.work import NO_ADAPTER
+from server.step_plan import NO_ADAPTER
 
 _seq_ids = itertools.count()
 
@@ -29,6 +29,11 @@ class AdapterWeights(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(A, B) of each projection it changes."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed: int = 0  # tokens whose keys/values are in the cache
     block_table: list[int] = field(default_factory=list)
+    # the block table as the model side holds it (None: not sent, or released there since)
+    model_table: list[int] | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of full blocks
     retired: bool = False  # out of the batch (its ending may wait for its text: output_processor)
     finish_reason: str | None = None

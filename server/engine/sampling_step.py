@@ -31,7 +31,7 @@ from decoding.processors import PenaltyHistory, uses_penalty_history
 from decoding.sampling import Draw, draw, draw_values, settle
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
-from server.work import WorkItem
+from server.engine.work import WorkItem
 
 
 @dataclass
@@ -223,8 +223,8 @@ def penalty_histories(
 
 
 def select_items(
-    sampling: list[WorkItem[Sequence]], logits: torch.Tensor, kept: list[int]
-) -> tuple[list[WorkItem[Sequence]], torch.Tensor]:
+    sampling: list[WorkItem], logits: torch.Tensor, kept: list[int]
+) -> tuple[list[WorkItem], torch.Tensor]:
     """Items `kept` of the sampling items, and their logits rows (1 + len(draft) each)."""
     if len(kept) == len(sampling):
         return sampling, logits
@@ -238,8 +238,8 @@ def select_items(
 
 
 def without_retired(
-    sampling: list[WorkItem[Sequence]], logits: torch.Tensor
-) -> tuple[list[WorkItem[Sequence]], torch.Tensor]:
+    sampling: list[WorkItem], logits: torch.Tensor
+) -> tuple[list[WorkItem], torch.Tensor]:
     """The items (and their logits) whose rows are still in the batch: with overlapped outputs
     a stop string may end a row after its step was queued; that step's tokens are dropped."""
     return select_items(

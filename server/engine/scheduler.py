@@ -34,12 +34,15 @@ from server.engine.adapters import AdapterSlots
 from server.engine.block_pool import BlockPool, OutOfBlocks
 from server.engine.prefix_cache import PrefixCache
 from server.engine.request import EngineRequest, Sequence
-from server.work import WorkItem
+from server.engine.work import WorkItem
 
 
 @dataclass
-class StepPlan:
-    items: list[WorkItem[Sequence]] = field(default_factory=list)
+class Schedule:
+    """The scheduler's decision for one step over live rows (the engine builds the model side's
+    `StepPlan` from it: plan_builder.py)."""
+
+    items: list[WorkItem] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[EngineRequest] = field(default_factory=list)
     cache_queries: int = 0  # tokens of admitted rows looked up in the prefix cache
@@ -50,7 +53,7 @@ class StepPlan:
         return sum(i.num_new for i in self.items)
 
 
-def plan_rows(rows: list[Sequence], budget: int) -> list[WorkItem[Sequence]]:
+def plan_rows(rows: list[Sequence], budget: int) -> list[WorkItem]:
     """Chunks for one request's rows: all to the end if they fit, else each stops one short."""
     pending = [s.num_pending for s in rows]
     if sum(pending) <= budget:
@@ -98,6 +101,19 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
+        self.released: list[int] = []  # rows whose blocks went back since `take_released`
+
+    def _free_row(self, seq: Sequence) -> None:
+        """Return a row's blocks; the model side forgets its table with the next plan."""
+        self.pool.release(seq.block_table)
+        if seq.model_table is not None:
+            seq.model_table = None
+            self.released.append(seq.seq_id)
+
+    def take_released(self) -> list[int]:
+        """Rows freed since the last call, whose tables the model side may forget."""
+        released, self.released = self.released, []
+        return released
 
     def add(self, request: EngineRequest) -> None:
         enqueue(self.waiting, request)
@@ -109,7 +125,7 @@ class Scheduler:
     def num_running_rows(self) -> int:
         return sum(r.width for r in self.running)
 
-    def _reserve(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
+    def _reserve(self, seq: Sequence, num_new: int, plan: Schedule) -> None:
         """Give `seq` room for `num_new` more tokens, privately owned where they are written."""
         bs = self.pool.block_size
         if num_new == 1 and seq.num_computed < len(seq.block_table) * bs:  # a decode row's slot:
@@ -123,7 +139,7 @@ class Scheduler:
             if copy is not None:
                 plan.copies.append(copy)
 
-    def _blocks_needed(self, items: list[WorkItem[Sequence]]) -> int:
+    def _blocks_needed(self, items: list[WorkItem]) -> int:
         return sum(
             self.pool.blocks_needed(i.seq.block_table, i.seq.num_computed + i.num_new)
             for i in items
@@ -148,18 +164,18 @@ class Scheduler:
             for seq in request.rows:
                 self.prefix_cache.detach(seq)
 
-    def _preempt(self, request: EngineRequest, plan: StepPlan) -> None:
+    def _preempt(self, request: EngineRequest, plan: Schedule) -> None:
         for seq in request.rows:
-            self.pool.release(seq.block_table)
+            self._free_row(seq)
             seq.num_computed = 0
         self.adapters.free(request)
         enqueue(self.waiting, request, preempted=True)
         plan.preempted.append(request)
 
-    def schedule(self, speculate: bool = True) -> StepPlan:
+    def schedule(self, speculate: bool = True) -> Schedule:
         """The next step; `speculate` False: no drafts (a row's last token is still on the device
         with async scheduling, and drafts are looked up from it)."""
-        plan = StepPlan()
+        plan = Schedule()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -207,7 +223,7 @@ class Scheduler:
             self._add_drafts(plan.items, budget)
         return plan
 
-    def _add_drafts(self, items: list[WorkItem[Sequence]], budget: int) -> None:
+    def _add_drafts(self, items: list[WorkItem], budget: int) -> None:
         """Drafts for the items that decode one token, in the budget and the blocks left once
         everything else of the step has its share."""
         assert self.propose is not None
@@ -240,7 +256,7 @@ class Scheduler:
             self.prefix_cache.register(seq, seq.num_computed - accepted)
         self.pool.shrink(seq.block_table, len(seq.token_ids))
 
-    def update_from_output(self, plan: StepPlan) -> list[WorkItem[Sequence]]:
+    def update_from_output(self, plan: Schedule) -> list[WorkItem]:
         """The step ran: its tokens are in the cache, and every block it filled is offered to the
         prefix cache. Returns the items whose rows sample now (their chunk reached the end)."""
         sampling = []
@@ -315,7 +331,7 @@ class Scheduler:
     def release_row(self, seq: Sequence) -> None:
         """A row leaves its request (finished, or replaced by its beam children): free its
         blocks."""
-        self.pool.release(seq.block_table)
+        self._free_row(seq)
 
     def remove(self, request: EngineRequest) -> None:
         """Take a finished or aborted request out and return all its blocks at once."""
@@ -325,5 +341,5 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         for seq in request.rows:
-            self.pool.release(seq.block_table)
+            self._free_row(seq)
         request.rows.clear()

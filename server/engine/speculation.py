@@ -32,7 +32,7 @@ from decoding.speculation import DraftLength, RowDrafts, accepted_length
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
 from server.engine.sampling_step import Choices, PendingChoices, choose_on_device
-from server.work import WorkItem
+from server.engine.work import WorkItem
 
 
 @dataclass(eq=False, slots=True)
@@ -105,7 +105,7 @@ class VerifyBatch:
     row. `logits_index` picks each position's logits row from the step's output (None: as is)."""
 
     def __init__(
-        self, items: list[WorkItem[Sequence]], rows: list[Sequence], row_items: list[int] | None
+        self, items: list[WorkItem], rows: list[Sequence], row_items: list[int] | None
     ) -> None:
         self.rows = rows
         self.drafts = [items[i].draft for i in (row_items or range(len(rows)))]

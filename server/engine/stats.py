@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.engine.block_pool import BlockPool
-from server.engine.request import EngineRequest, Sequence
+from server.engine.request import EngineRequest
+from server.engine.work import WorkItem
 from server.metrics import FINISHED_REASONS, Metrics
-from server.work import WorkItem
 
 Number = int | float | bool
 log = logging.getLogger("server.engine.engine")  # request-end logs keep their historical logger
@@ -115,7 +115,7 @@ class StatsRecorder:
                 running=running, waiting=waiting, kv_cache_usage=self.pool.usage
             )
 
-    def step(self, items: list[WorkItem[Sequence]]) -> None:
+    def step(self, items: list[WorkItem]) -> None:
         """A forward pass over `items` is about to run."""
         now = time.monotonic()
         for item in items:

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
 from server.model.attention import PagedStep, padded_tables
-from server.work import Row
 
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, PagedStep], torch.Tensor]
 
@@ -93,13 +92,14 @@ class DecodeGraphs:
     def max_blocks(self) -> int:
         return self.tables.shape[1]
 
-    def fits(self, rows: Sequence[Row]) -> bool:
-        """Whether a decode step of `rows` can replay a graph (else it runs eagerly): the graphs
-        are captured (`capture`, at start-up) and one holds that many rows of that width."""
+    def fits(self, tables: Sequence[list[int]]) -> bool:
+        """Whether a decode step of rows with these block tables can replay a graph (else it
+        runs eagerly): the graphs are captured (`capture`, at start-up) and one holds that many
+        rows of that width."""
         return (
             bool(self.graphs)
-            and len(rows) <= self.max_rows
-            and all(len(r.block_table) <= self.max_blocks for r in rows)
+            and len(tables) <= self.max_rows
+            and all(len(t) <= self.max_blocks for t in tables)
         )
 
     def _step(self, rows: int) -> PagedStep:

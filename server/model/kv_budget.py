@@ -26,7 +26,8 @@ from typing import Literal
 import torch
 
 from decoding import DecodingParams, SamplingTensors, sample, token_logprobs
-from server.work import NO_ADAPTER, WorkItem
+from server.model.packing import standalone_plan
+from server.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
 GiB = 1024**3
@@ -210,32 +211,21 @@ def profile_lengths(num_tokens: int, max_rows: int, max_len: int) -> list[int]:
     return lengths
 
 
-@dataclass
-class ProfileRow:
-    """A prompt of the profile step (what the runner reads of a row: see server/work.py)."""
-
-    token_ids: list[int]
-    num_computed: int
-    block_table: list[int]
-    lora_slot: int = NO_ADAPTER
-
-
-def worst_case_items(
-    budget: KVBudget, max_len: int, block_size: int
-) -> tuple[list[WorkItem[ProfileRow]], int]:
-    """The worst step as whole-prompt work items over a fresh pool, and the blocks they use."""
-    items: list[WorkItem[ProfileRow]] = []
+def worst_case_plan(budget: KVBudget, max_len: int, block_size: int) -> tuple[StepPlan, int]:
+    """The worst step as whole prompts over a fresh pool, and the blocks they use."""
+    lengths = profile_lengths(budget.max_num_batched_tokens, budget.max_num_seqs, max_len)
+    tables: list[list[int]] = []
     used = 0
-    for n in profile_lengths(budget.max_num_batched_tokens, budget.max_num_seqs, max_len):
+    for n in lengths:
         blocks = -(-n // block_size)
-        items.append(WorkItem(ProfileRow([0] * n, 0, list(range(used, used + blocks))), n))
+        tables.append(list(range(used, used + blocks)))
         used += blocks
-    return items, used
+    return standalone_plan(lengths, tables), used
 
 
-def decode_items(rows: int) -> list[WorkItem[ProfileRow]]:
+def decode_plan_of(rows: int) -> StepPlan:
     """A decode step of `rows` rows, one block each (what the largest CUDA graph runs)."""
-    return [WorkItem(ProfileRow([0], 0, [r]), 1) for r in range(rows)]
+    return standalone_plan([1] * rows, [[r] for r in range(rows)])
 
 
 def sampler_workload(logits: torch.Tensor) -> None:

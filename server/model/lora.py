@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,7 @@ from torch import nn
 
 from server.model.lora_files import LoRAAdapter, load_adapter
 from server.model.tp_shard import ShardedModel
-from server.work import NO_ADAPTER, WorkItem
+from server.step_plan import NO_ADAPTER, AdapterInstall, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +214,6 @@ class LoRAModules:
     ) -> None:
         self.targets = targets
         self.shard = shard
-        # the driver of a tensor-parallel group sends each install to the other ranks
-        self.mirror: Callable[[int, LoRAAdapter], None] | None = None
         self.state = LoRAState()
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -246,15 +244,14 @@ class LoRAModules:
     def bytes_per_slot(self) -> int:
         return sum(stack.nbytes_per_slot for stack in self.stacks.values())
 
-    def install(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Put `adapter` in `slot` (whatever was there is overwritten)."""
-        if self.mirror is not None:
-            self.mirror(slot, adapter)
+    def install(self, install: AdapterInstall) -> None:
+        """Put an adapter's weights in its slot (whatever was there is overwritten); a
+        tensor-parallel rank keeps its part of each projection."""
         for path, stack in self.stacks.items():
-            weights = adapter.weights.get(path)
+            weights = install.weights.get(path)
             if weights is not None and self.shard is not None:
                 weights = self.shard.shard_adapter(path, *weights)
-            stack.put(slot, weights)
+            stack.put(install.slot, weights)
 
     def read(self, name: str, source: str) -> LoRAAdapter:
         """An adapter's files checked against this model (lora_files.AdapterError when they do
@@ -262,10 +259,11 @@ class LoRAModules:
         return load_adapter(name, source, self.targets, self.max_rank)
 
     @contextlib.contextmanager
-    def applied(self, items: Sequence[WorkItem]) -> Iterator[None]:
-        """Each item's adapter (its row's slot) applied to its tokens during the forward."""
+    def applied(self, plan: StepPlan) -> Iterator[None]:
+        """Each row's adapter (its slot) applied to its tokens during the forward."""
+        slots = plan.lora_slots or [NO_ADAPTER] * len(plan.num_new)
         self.state.step = LoRAStep.build(
-            [(item.seq.lora_slot, item.num_new) for item in items],
+            zip(slots, plan.num_new),
             num_slots=self.num_slots,
             max_rank=self.max_rank,
             device=self.device,

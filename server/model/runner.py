@@ -14,7 +14,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,10 +27,10 @@ from server.model.cuda_graphs import DecodeGraphs
 from server.model.devices import check_runner_options, pick_attention_backend
 from server.model.kv_budget import (
     KVBudget,
-    decode_items,
+    decode_plan_of,
     plan_num_blocks,
     sampler_workload,
-    worst_case_items,
+    worst_case_plan,
 )
 from server.model.kv_pool import AttentionBinding, KVLayout, paged_kernel
 from server.model.packing import (
@@ -39,13 +39,14 @@ from server.model.packing import (
     put_deferred,
     score_positions,
     scratch_decode,
-    scratch_item,
+    scratch_plan,
     verify_inputs,
 )
+from server.model.row_tables import RowTables
 from server.model.tp_group import TPGroup
 from server.model.tp_steps import StepBroadcast
 from server.model.weights import load_serving_weights, text_config
-from server.work import DeferredTokens, StepOutput, WorkItem
+from server.step_plan import StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
 _runner_ids = itertools.count()
@@ -137,6 +138,7 @@ class ModelRunner:
             self.num_blocks = tp.min_int(self.num_blocks)
         graphs = self.cuda_graphs
         self.kv_cache = self.kv_layout.allocate(self.num_blocks + int(graphs), device)
+        self.rows = RowTables()  # each row's block table, kept between plans
         self.attention.bind(self.model, self.kv_cache)
         max_len = self.kv_budget.max_model_len or self.max_position_embeddings
         self.graphs = (
@@ -208,12 +210,12 @@ class ModelRunner:
         """Peak activation bytes (0 on the CPU) of the worst step the engine can schedule
         (kv_budget.worst_case_items: prefill, LM head, sampler) over a pool just big enough."""
         max_len = self.kv_budget.max_model_len or self.max_position_embeddings
-        items, blocks = worst_case_items(self.kv_budget, max_len, self.block_size)
-        step = lambda: sampler_workload(self._execute_packed(items).logits)  # noqa: E731
+        plan, blocks = worst_case_plan(self.kv_budget, max_len, self.block_size)
+        step = lambda: sampler_workload(self._standalone(plan).logits)  # noqa: E731
         peak = self.attention.profile(self.model, self.kv_layout, blocks, self.device, step)
         if self.cuda_graphs:  # the graphs' memory pool stays while serving: reserve the largest
-            rows = decode_items(self.kv_budget.max_num_seqs)
-            decode = lambda: self._execute_packed(rows)  # noqa: E731
+            rows = decode_plan_of(self.kv_budget.max_num_seqs)
+            decode = lambda: self._standalone(rows)  # noqa: E731
             peak += self.attention.profile(
                 self.model, self.kv_layout, len(rows), self.device, decode
             )
@@ -226,7 +228,7 @@ class ModelRunner:
         row and with two."""
         if self.attention_backend == "triton":
             for num_new in (1, 2):  # decode tiles, then chunk tiles (every layer kind runs)
-                self._execute_packed([scratch_item(num_new, self.block_size)])
+                self._standalone(scratch_plan(num_new, self.block_size))
         if self.graphs is not None:
             self.graphs.capture()
         if self.compiled_decode is not None:
@@ -265,47 +267,52 @@ class ModelRunner:
         return self._run_decode(input_ids, position_ids, ctx)
 
     @torch.inference_mode()
-    def execute(
-        self,
-        items: list[WorkItem],
-        copies: list[tuple[int, int]],
-        deferred: DeferredTokens | None = None,
-    ) -> StepOutput:
-        """Run `items` as one forward pass: logits of the items that sample, in order, and the
-        logprobs of the positions the items ask to score. `deferred`: input tokens still on the
-        device (the previous step's choices, not read back yet)."""
-        if self.tp_steps is not None:  # the other ranks run the same step
-            self.tp_steps.step(items, copies, deferred)
-        self.kv_cache.copy_blocks(copies)
-        with self.lora.applied(items) if self.lora else contextlib.nullcontext():
-            return self._execute(items, deferred)
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run `plan` as one forward pass: logits of the rows that sample, in order, and the
+        logprobs of the positions its rows ask to score. Its installs, table edits and block
+        copies come first; its deferred tokens (the previous step's choices, not read back yet)
+        are taken on the device."""
+        if self.tp_steps is not None:  # the other ranks run the same plan
+            self.tp_steps.step(plan)
+        for install in plan.installs:
+            if self.lora is None:
+                raise RuntimeError("a LoRA adapter install on a model without LoRA slots")
+            self.lora.install(install)
+        tables = self.rows.apply(plan)
+        self.kv_cache.copy_blocks(plan.copies)
+        with self.lora.applied(plan) if self.lora else contextlib.nullcontext():
+            return self._execute(plan, tables)
 
-    def _execute(self, items: list[WorkItem], deferred: DeferredTokens | None) -> StepOutput:
-        if items and all(item.num_new == 1 + len(item.draft) and item.samples for item in items):
-            seqs = [item.seq for item in items]
-            drafts = any(item.draft for item in items)
-            edit = functools.partial(put_deferred, items=items, deferred=deferred)
-            if not drafts and self.graphs is not None and self.graphs.fits(seqs):
-                logits = self.graphs.run(*decode_inputs(seqs), edit)
+    def _execute(self, plan: StepPlan, tables: list[list[int]]) -> StepOutput:
+        if plan.verify_only:
+            edit: Callable[[torch.Tensor], None] = lambda t: None  # noqa: E731
+            if plan.deferred is not None:
+                edit = functools.partial(put_deferred, plan=plan, row_starts=plan.token_starts())
+            decode = plan.decode_only
+            if decode and self.graphs is not None and self.graphs.fits(tables):
+                logits = self.graphs.run(*decode_inputs(plan, tables), edit)
                 return StepOutput(logits, reused=True)  # the next replay overwrites them
             if self.attention_backend != "triton":  # drafts: one decode query row each
-                inputs = verify_inputs(items) if drafts else decode_inputs(seqs)
+                inputs = decode_inputs(plan, tables) if decode else verify_inputs(plan, tables)
                 return StepOutput(self._decode_step(*inputs, edit))
-        return self._execute_packed(items, deferred)
+        return self._execute_packed(plan, tables)
 
-    def _execute_packed(
-        self, items: Sequence[WorkItem], deferred: DeferredTokens | None = None
-    ) -> StepOutput:
-        """The general path: tokens of every item packed as one row (prefill chunks, mixed)."""
+    def _standalone(self, plan: StepPlan) -> StepOutput:
+        """A plan whose edits hold its rows' whole tables, run packed and not kept (warm-up,
+        profile: packing.standalone_plan)."""
+        return self._execute_packed(plan, [edit.blocks for edit in plan.table_edits])
+
+    def _execute_packed(self, plan: StepPlan, tables: list[list[int]]) -> StepOutput:
+        """The general path: tokens of every row packed as one sequence (prefill chunks,
+        mixed)."""
         kernel = self.attention_backend == "triton"
-        packed = pack_step(items, self.block_size, self.device, kernel=kernel)
-        put_deferred(packed.input_ids[0], items, deferred)
+        packed = pack_step(plan, tables, self.block_size, self.device, kernel=kernel)
+        put_deferred(packed.input_ids[0], plan, packed.row_starts)
         hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
         scores = {
-            i: scored
-            for i, item in enumerate(items)
-            if item.score is not None
-            and (scored := score_positions(hidden, packed, i, item, self._logits)) is not None
+            score.row: scored
+            for score in plan.scores
+            if (scored := score_positions(hidden, packed, plan, score, self._logits)) is not None
         }
         if not packed.sample_rows:
             return StepOutput(hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scores)

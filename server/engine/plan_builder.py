@@ -1,0 +1,67 @@
+"""A step's scheduled items turned into the plain `StepPlan` the model side reads (step_plan.py).
+
+Each row remembers the block table the model side holds for it (`Sequence.model_table`), so a
+plan carries a whole table only for a row the model side has not seen and otherwise the entries
+that changed. Those can only be at or past the row's first uncomputed block: the scheduler writes
+(grows, copies on write) only where the row's next tokens go, and trims only the blocks of
+rejected drafts, so the comparison starts there and costs a block or two per row.
+"""
+
+from __future__ import annotations
+
+from server.engine.work import WorkItem
+from server.step_plan import AdapterInstall, DeferredTokens, PlanScore, StepPlan, TableEdit
+
+
+class PlanBuilder:
+    def __init__(self, block_size: int, lora: bool) -> None:
+        self.block_size = block_size
+        self.lora = lora  # plans carry each row's adapter slot
+        self.installs: list[AdapterInstall] = []  # for the next plan (before its forward)
+
+    def build(
+        self,
+        items: list[WorkItem],
+        copies: list[tuple[int, int]],
+        released: list[int],
+        deferred: DeferredTokens | None = None,
+    ) -> StepPlan:
+        """The plan of a step of `items` (in packing order), after `copies`; the model side
+        forgets the `released` rows first."""
+        plan = StepPlan(copies=copies, released=released, deferred=deferred)
+        row_ids, starts, num_new = plan.row_ids, plan.starts, plan.num_new
+        num_drafts, samples, tokens = plan.num_drafts, plan.samples, plan.tokens
+        bs = self.block_size
+        for r, item in enumerate(items):
+            seq, start, n, draft = item.seq, item.seq.num_computed, item.num_new, item.draft
+            row_ids.append(seq.seq_id)
+            starts.append(start)
+            num_new.append(n)
+            num_drafts.append(len(draft))
+            samples.append(item.samples)
+            if n == 1:
+                tokens.append(seq.token_ids[start])
+            else:
+                tokens += seq.token_ids[start : start + n - len(draft)]
+                tokens += draft
+            if item.score is not None:
+                span = item.score
+                targets = seq.token_ids[span.start + 1 : span.stop + 1]
+                plan.scores.append(PlanScore(r, span.start, span.stop, span.num_top, targets))
+            table, sent = seq.block_table, seq.model_table
+            if sent is None:
+                plan.table_edits.append(TableEdit(r, 0, list(table)))
+                seq.model_table = list(table)
+                continue
+            same = min(len(sent), len(table))
+            keep = min(same, start // bs)
+            while keep < same and sent[keep] == table[keep]:
+                keep += 1
+            if keep < len(sent) or keep < len(table):
+                plan.table_edits.append(TableEdit(r, keep, table[keep:]))
+                del sent[keep:]
+                sent += table[keep:]
+        if self.lora:
+            plan.lora_slots = [item.seq.lora_slot for item in items]
+        plan.installs, self.installs = self.installs, []
+        return plan

@@ -1,0 +1,249 @@
+"""The contract between scheduling and the model side: one step's plan, as plain data.
+
+The engine turns its scheduler's decision into a `StepPlan` (engine/plan_builder.py); the model
+runner, and every other rank of a tensor-parallel group, reads only the plan (never an engine
+object) and keeps what lives between steps itself (model/row_tables.py: each row's block table).
+So a plan carries a row's whole block table only when the model side has not seen the row, and
+otherwise only what changed (vLLM v1's `SchedulerOutput` does the same: new requests in full,
+cached ones as deltas).
+
+A plan is columns of ints, one entry per row in packing order, plus a few small lists, and has one
+encoding (`encode_plan` / `decode_plan`): a flat int list, the adapters' weights as one float
+tensor, the deferred tokens as they are on the device. The tensor-parallel broadcast sends exactly
+that (parallel/plan_broadcast.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
+
+from decoding.logprobs import TokenLogprobs
+
+NO_ADAPTER = -1  # a row's LoRA slot when it runs the base model
+
+
+@dataclass(frozen=True)
+class TableEdit:
+    """Row `row` (an index into the plan's rows) keeps the first `keep` entries of the block table
+    the model side holds for it and appends `blocks`: a row new to the model side keeps 0; a row
+    that decodes on gains a block now and then; copy-on-write replaces its last block; rejected
+    drafts drop blocks at its end."""
+
+    row: int
+    keep: int
+    blocks: list[int]
+
+
+@dataclass(frozen=True)
+class PlanScore:
+    """Row `row` (an index into the plan's rows) asks for the logprobs of `targets`, the tokens
+    that follow its positions [start, stop) (prompt logprobs), with the `num_top` likeliest."""
+
+    row: int
+    start: int
+    stop: int
+    num_top: int
+    targets: list[int]
+
+
+@dataclass(frozen=True)
+class DeferredTokens:
+    """Input tokens a step reads from the device (async scheduling): the first new token of row
+    `rows[j]` is `values[sources[j]]`, a token the previous step chose and has not read back."""
+
+    values: torch.Tensor  # [P] long, on the model's device
+    rows: list[int]
+    sources: list[int]
+
+
+@dataclass(frozen=True)
+class AdapterInstall:
+    """LoRA weights to put into device slot `slot` before the step: (A, B) of each projection the
+    adapter changes, whole (a tensor-parallel rank keeps its part)."""
+
+    slot: int
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepPlan:
+    """One step. Row r runs `num_new[r]` tokens from position `starts[r]` (keys and values before
+    it are cached): its own tokens, then `num_drafts[r]` speculative ones, all in `tokens` (flat,
+    in row order). A row that `samples` returns logits at its last own token and at each draft."""
+
+    row_ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    table_edits: list[TableEdit] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)  # rows the model side forgets (first)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, before
+    scores: list[PlanScore] = field(default_factory=list)
+    lora_slots: list[int] | None = None  # per row; None: LoRA is off
+    installs: list[AdapterInstall] = field(default_factory=list)
+    deferred: DeferredTokens | None = None
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def token_starts(self) -> list[int]:
+        """Index in `tokens` of each row's first token."""
+        return [0, *accumulate(self.num_new)][:-1]
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row adds its one pending token (and its drafts) and samples: the decode path."""
+        return bool(self.row_ids) and all(self.samples) and len(self.tokens) == len(self.row_ids)
+
+    @property
+    def verify_only(self) -> bool:
+        """Every row adds its pending token and its drafts, and samples (decode rows with drafts
+        included)."""
+        return (
+            bool(self.row_ids)
+            and all(self.samples)
+            and all(n == 1 + d for n, d in zip(self.num_new, self.num_drafts))
+        )
+
+
+@dataclass
+class StepOutput:
+    """What a step returns: logits [R, V] of the rows that sample (in order, 1 + drafts rows
+    each: its last token and its drafts), and the scored positions (`StepPlan.scores`), by the
+    index of the row that asked."""
+
+    logits: torch.Tensor
+    scores: dict[int, TokenLogprobs] = field(default_factory=dict)
+    reused: bool = False  # the logits live in a buffer the next step overwrites (a CUDA graph's)
+
+
+# ---- the one encoding ---------------------------------------------------------------------------
+# ints: a header of counts, then the per-row columns, the table edits, releases, copies, scores,
+# LoRA slots, installs (slot, then the rank of each projection in `adapter_paths` order, 0 when the
+# adapter leaves it alone) and the deferred tokens' rows and sources. floats: every install's A and
+# B, flattened, in that order.
+_HEADER = 9
+
+
+def encode_plan(
+    plan: StepPlan, adapter_paths: list[str] | None = None
+) -> tuple[list[int], torch.Tensor | None]:
+    """The plan as a flat int list and the adapters' weights as one float tensor (None when it
+    installs nothing); the deferred tokens' values travel as they are (`plan.deferred.values`)."""
+    n = len(plan.row_ids)
+    deferred = plan.deferred
+    data = [
+        n,
+        len(plan.tokens),
+        len(plan.table_edits),
+        len(plan.released),
+        len(plan.copies),
+        len(plan.scores),
+        -1 if plan.lora_slots is None else len(plan.lora_slots),
+        len(plan.installs),
+        -1 if deferred is None else len(deferred.rows),
+    ]
+    data += plan.row_ids
+    data += plan.starts
+    data += plan.num_new
+    data += plan.num_drafts
+    data += map(int, plan.samples)
+    data += plan.tokens
+    for edit in plan.table_edits:
+        data += (edit.row, edit.keep, len(edit.blocks), *edit.blocks)
+    data += plan.released
+    for src, dst in plan.copies:
+        data += (src, dst)
+    for score in plan.scores:
+        data += (score.row, score.start, score.stop, score.num_top, len(score.targets))
+        data += score.targets
+    if plan.lora_slots is not None:
+        data += plan.lora_slots
+    parts: list[torch.Tensor] = []
+    for install in plan.installs:
+        data.append(install.slot)
+        for path in adapter_paths or []:
+            weights = install.weights.get(path)
+            data.append(0 if weights is None else weights[0].shape[0])
+            if weights is not None:
+                parts += (weights[0].reshape(-1).float(), weights[1].reshape(-1).float())
+    if deferred is not None:
+        data += deferred.rows
+        data += deferred.sources
+    floats = torch.cat(parts) if parts else (torch.empty(0) if plan.installs else None)
+    return data, floats
+
+
+class _Reader:
+    __slots__ = ("data", "at")
+
+    def __init__(self, data: list[int]) -> None:
+        self.data, self.at = data, 0
+
+    def take(self, n: int) -> list[int]:
+        part = self.data[self.at : self.at + n]
+        self.at += n
+        return part
+
+    def one(self) -> int:
+        self.at += 1
+        return self.data[self.at - 1]
+
+
+def decode_plan(
+    data: list[int],
+    floats: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    adapter_shapes: dict[str, tuple[int, int]] | None = None,
+) -> StepPlan:
+    """The plan `encode_plan` encoded: `floats` its installs' weights, `values` the deferred
+    tokens' values (on this rank's device), `adapter_shapes` each projection's (in, out)."""
+    read = _Reader(data)
+    n, n_tokens, n_edits, n_released, n_copies, n_scores, n_slots, n_installs, n_deferred = (
+        read.take(_HEADER)
+    )
+    plan = StepPlan(
+        row_ids=read.take(n),
+        starts=read.take(n),
+        num_new=read.take(n),
+        num_drafts=read.take(n),
+        samples=[bool(s) for s in read.take(n)],
+        tokens=read.take(n_tokens),
+    )
+    for _ in range(n_edits):
+        row, keep, count = read.take(3)
+        plan.table_edits.append(TableEdit(row, keep, read.take(count)))
+    plan.released = read.take(n_released)
+    plan.copies = [(read.one(), read.one()) for _ in range(n_copies)]
+    for _ in range(n_scores):
+        row, start, stop, top, count = read.take(5)
+        plan.scores.append(PlanScore(row, start, stop, top, read.take(count)))
+    plan.lora_slots = read.take(n_slots) if n_slots >= 0 else None
+    at = 0
+    for _ in range(n_installs):
+        slot = read.one()
+        weights = {}
+        for path, (in_features, out_features) in (adapter_shapes or {}).items():
+            rank = read.one()
+            if not rank:
+                continue
+            assert floats is not None, "an install without its weights"
+            a = floats[at : at + rank * in_features].view(rank, in_features)
+            at += rank * in_features
+            b = floats[at : at + out_features * rank].view(out_features, rank)
+            at += out_features * rank
+            weights[path] = (a, b)
+        plan.installs.append(AdapterInstall(slot, weights))
+    if n_deferred >= 0:
+        assert values is not None, "deferred tokens without their values"
+        plan.deferred = DeferredTokens(values, read.take(n_deferred), read.take(n_deferred))
+    return plan
