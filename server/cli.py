@@ -113,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
     # heavy imports (the model side) only when serving
     from server.bootstrap import ModelLoadFailed, prepare_model
     from server.model.hub import ModelNotFound
-    from server.model.tp_group import Rendezvous
+    from server.parallel.group import Rendezvous
 
     try:
         if config.nnodes > 1:  # every node needs node 0's address before anything else
@@ -126,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"beamline: {exc}", file=sys.stderr)
         return 2
     if config.node_rank > 0:  # a node past the first: its tensor-parallel ranks, no port
-        from server.process.tp_workers import serve_node
+        from server.parallel.workers import serve_node
 
         return serve_node(config)
     from server.http_server import run_server

@@ -19,10 +19,10 @@ from server.engine.engine import Engine
 from server.model.devices import pick_device
 from server.model.loader import resolve_model_dir
 from server.model.runner import ModelRunner
-from server.model.tp_group import Rendezvous, TPGroup, rank_device
-from server.model.tp_shard import check_tp_size
 from server.model.weights import text_config
-from server.process.tp_workers import TPWorkers
+from server.parallel.group import Rendezvous, TPGroup, rank_device
+from server.parallel.shard import check_tp_size
+from server.parallel.workers import TPWorkers
 from server.runner_setup import build_runner, set_threads
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     for (
         name,
         source,
-    ) in config.lora_adapters().items():  # lora_files.AdapterError says what is wrong
+    ) in config.lora_adapters().items():  # lora.files.AdapterError says what is wrong
         engine.load_adapter(name, source)
     return LoadedEngine(engine, runner, tokenizer, model_dir, config, workers)
 
@@ -123,7 +123,7 @@ def start_tensor_parallel(
 
 
 def check_tensor_parallel(config: ServerConfig, model_dir: Path) -> None:
-    """tp_shard.TPConfigError unless the config's ranks can split the model in `model_dir` on
+    """parallel.shard.TPConfigError unless the config's ranks can split the model in `model_dir` on
     this node (its heads and MLP, its GPUs): a config.json read, nothing loaded."""
     if config.tensor_parallel_size > 1:
         device = pick_device(config.device)

@@ -1,5 +1,5 @@
 """A model runner from the server's config, the same way on every rank: the driver's (in the
-engine's process) and each tensor-parallel follower's (server/process/tp_workers.py)."""
+engine's process) and each tensor-parallel follower's (server/parallel/workers.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from server.model.devices import (
 from server.model.kv_budget import KVBudget
 from server.model.loader import default_cache_dir
 from server.model.runner import ModelRunner
-from server.model.tp_group import TPGroup
+from server.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
 

@@ -98,6 +98,24 @@ def reaches(start: str, prefix: str) -> list[str]:
             if m.startswith(("server.model", "server.engine", "server.api"))
         ),
         *((m, "server") for m in GRAPH if m.startswith("decoding")),  # pure algorithms
+        # the step plan is the contract: it knows neither side
+        ("server.step_plan", "server.engine"),
+        ("server.step_plan", "server.model"),
+        # tensor parallelism's collectives, splits and plan broadcast sit below the model side;
+        # only its rank processes (workers.py) build a model runner
+        *(
+            (m, prefix)
+            for m in ("server.parallel.group", "server.parallel.shard")
+            for prefix in ("server.model", "server.engine", "server.parallel.plan_broadcast")
+        ),
+        ("server.parallel.plan_broadcast", "server.model"),
+        ("server.parallel.plan_broadcast", "server.engine"),
+        *((m, "server.parallel.workers") for m in GRAPH if m.startswith("server.model")),
+        # the engine process is wiring above loading, the runner's set-up and the ranks
+        *(
+            (m, "server.process")
+            for m in ("server.loading", "server.runner_setup", "server.parallel.workers")
+        ),
     ],
 )
 def test_layers_import_only_downwards(module: str, forbidden: str) -> None:

@@ -332,7 +332,7 @@ def test_an_adapter_hub_id_loads_from_the_cache_offline(
 
 def test_an_adapter_hub_id_offline_and_not_cached_says_so(hub_cache: Path, llama_dir: Path) -> None:
     from server.bootstrap import locate_adapters
-    from server.model.lora_files import AdapterError
+    from server.model.lora.files import AdapterError
     from tests.conftest import make_engine
 
     engine = make_engine(llama_dir, max_loras=1)

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from decoding import DecodingParams
 from server.engine.adapters import AdapterRegistry
 from server.engine.engine import Engine
-from server.model import lora
-from server.model.lora import LoRALinear, LoRAStep
-from server.model.lora_files import AdapterError, read_adapter
+from server.model.lora import modules as lora
+from server.model.lora.files import AdapterError, read_adapter
+from server.model.lora.modules import LoRALinear, LoRAStep
 from tests.conftest import hf_reference, make_engine
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.lora_adapters import ALL_TARGETS, edit_config, make_adapter, merged_model

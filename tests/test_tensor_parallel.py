@@ -28,8 +28,8 @@ from server.bootstrap import ModelLoadFailed, build_serving_context
 from server.config import ServerConfig
 from server.model.kv_pool import KVLayout
 from server.model.loader import resolve_model_dir
-from server.model.tp_shard import TPConfigError, check_tp_size
 from server.model.weights import text_config
+from server.parallel.shard import TPConfigError, check_tp_size
 from server.process.client import EngineProcessClient
 from tests.lora_adapters import make_adapter
 from tests.reliability_helpers import (

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from server import cli
-from server.model.tp_group import free_port
+from server.parallel.group import free_port
 from tests.test_shutdown import REPO, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)

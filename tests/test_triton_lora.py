@@ -1,4 +1,4 @@
-"""The batched multi-LoRA kernels (server/model/triton_lora.py): against the torch reference
+"""The batched multi-LoRA kernels (server/model/lora/kernel.py): against the torch reference
 through Triton's interpreter on the CPU (random shapes, any feature count, rows on no adapter left
 bit for bit), and as a GPU would compile them: every launch serving can make compiles offline for
 sm_90 and sm_80 without spills, and a warmed-up server compiles no variant mid-serving.
@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-from server.model import triton_lora
-from server.model.triton_lora import add_lora_delta, launch_config, lora_delta_reference
+from server.model.lora import kernel as triton_lora
+from server.model.lora.kernel import add_lora_delta, launch_config, lora_delta_reference
 from tests.triton_offline import DTYPES, Compiled, cuda_binder, resource_usage
 
 ROOT = Path(__file__).resolve().parents[1]

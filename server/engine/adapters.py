@@ -11,7 +11,7 @@ resident or a slot can take it (a free one, or the least recently used one no ru
 holds); a request whose adapter must wait is passed over, the others behind it may join. The
 weights of a newly assigned slot are copied in by the engine before the step runs
 (`take_installs`). Nothing here touches tensors: the model side does (model/lora.py and
-model/lora_files.py).
+model/lora/files.py).
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class AsyncEngine:
         """Read, check and serve an adapter (off the event loop: it reads files)."""
         try:
             await asyncio.to_thread(self.engine.load_adapter, name, source)
-        except ValueError as exc:  # lora_files.AdapterError, a taken name, LoRA off
+        except ValueError as exc:  # lora.files.AdapterError, a taken name, LoRA off
             raise AdapterLoadError(str(exc)) from None
 
     def unload_adapter(self, name: str) -> None:

@@ -118,7 +118,7 @@ class Engine:
 
     def load_adapter(self, name: str, source: str) -> None:
         """Serve the LoRA adapter at `source` as `name` (any thread; reads and checks its files:
-        lora_files.AdapterError, or ValueError when the name is taken or LoRA is off)."""
+        lora.files.AdapterError, or ValueError when the name is taken or LoRA is off)."""
         if self.lora is None:
             raise ValueError("LoRA adapters are not enabled on this server (max_loras is 0)")
         self.lora.registry.add(name, source)

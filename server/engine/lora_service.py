@@ -10,8 +10,8 @@ from server.engine.adapters import AdapterRegistry, AdapterSlots
 from server.engine.client import UnknownAdapter
 from server.engine.request import EngineRequest
 from server.metrics import Metrics
-from server.model.lora import LoRAModules
-from server.model.lora_files import AdapterError
+from server.model.lora.files import AdapterError
+from server.model.lora.modules import LoRAModules
 from server.step_plan import AdapterInstall
 
 

@@ -83,6 +83,34 @@ def enqueue(waiting: deque[EngineRequest], request: EngineRequest, preempted: bo
     waiting.insert(next(behind, len(waiting)), request)
 
 
+def add_drafts(
+    items: list[WorkItem],
+    budget: int,
+    pool: BlockPool,
+    propose: Callable[[Sequence, int], list[int]],
+) -> None:
+    """Drafts for the items that decode one token, in the budget and the blocks left once
+    everything else of the step has its share (drafts never preempt or delay anyone)."""
+    added = 0
+    for item in items:
+        seq = item.seq
+        if item.num_new != 1 or not item.samples or not seq.num_output or item.score:
+            continue
+        draft = propose(seq, budget - added)
+        if not draft:
+            continue
+        end = seq.num_computed + 1 + len(draft)
+        if pool.blocks_needed(seq.block_table, end) > pool.num_free:
+            room = len(seq.block_table) * pool.block_size - seq.num_computed - 1
+            draft = draft[:room]
+            end = seq.num_computed + 1 + len(draft)
+        if draft:
+            pool.grow(seq.block_table, end)  # new blocks: private, nothing to copy
+            item.draft = draft
+            item.num_new += len(draft)
+            added += len(draft)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -220,31 +248,8 @@ class Scheduler:
             plan.items.extend(items)
             budget -= sum(item.num_new for item in items)
         if speculate and self.propose is not None and budget > 0:  # last: take what is left
-            self._add_drafts(plan.items, budget)
+            add_drafts(plan.items, budget, self.pool, self.propose)
         return plan
-
-    def _add_drafts(self, items: list[WorkItem], budget: int) -> None:
-        """Drafts for the items that decode one token, in the budget and the blocks left once
-        everything else of the step has its share."""
-        assert self.propose is not None
-        added = 0
-        for item in items:
-            seq = item.seq
-            if item.num_new != 1 or not item.samples or not seq.num_output or item.score:
-                continue
-            draft = self.propose(seq, budget - added)
-            if not draft:
-                continue
-            end = seq.num_computed + 1 + len(draft)
-            if self.pool.blocks_needed(seq.block_table, end) > self.pool.num_free:
-                room = len(seq.block_table) * self.pool.block_size - seq.num_computed - 1
-                draft = draft[:room]
-                end = seq.num_computed + 1 + len(draft)
-            if draft:
-                self.pool.grow(seq.block_table, end)  # new blocks: private, nothing to copy
-                item.draft = draft
-                item.num_new += len(draft)
-                added += len(draft)
 
     def accept_drafts(self, seq: Sequence, accepted: int) -> None:
         """A verified row keeps `accepted` of its drafts (already appended to its tokens): they

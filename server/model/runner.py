@@ -43,9 +43,9 @@ from server.model.packing import (
     verify_inputs,
 )
 from server.model.row_tables import RowTables
-from server.model.tp_group import TPGroup
-from server.model.tp_steps import StepBroadcast
 from server.model.weights import load_serving_weights, text_config
+from server.parallel.group import TPGroup
+from server.parallel.plan_broadcast import StepBroadcast
 from server.step_plan import StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,8 @@ class ModelRunner:
                 block_size=str(block_size),
             )
         self._run_decode = self.compiled_decode or self._run_decoder
-        self.tp_steps = StepBroadcast.of_driver(tp, self.lora)  # the steps, to the other ranks
+        adapter_paths = list(self.lora.targets) if self.lora else []
+        self.tp_steps = StepBroadcast.of_driver(tp, adapter_paths)  # the plans, to the other ranks
 
     @property
     def max_position_embeddings(self) -> int:
@@ -258,13 +259,8 @@ class ModelRunner:
         input_ids = to_device(tokens, self.device, torch.long).unsqueeze(0)
         edit_tokens(input_ids[0])
         position_ids = to_device(positions, self.device, torch.long).unsqueeze(0)
-        return self._logits(self._decode(input_ids, position_ids, ctx))
-
-    def _decode(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep
-    ) -> torch.Tensor:
         ctx.kv = self.kv_cache  # the compiled step takes the pools as an input
-        return self._run_decode(input_ids, position_ids, ctx)
+        return self._logits(self._run_decode(input_ids, position_ids, ctx))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -14,15 +14,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from server.model.cpu_linear import apply_linear_layout
 from server.model.devices import dtype_warning
-from server.model.lora import LoRAModules
-from server.model.lora_files import target_modules
+from server.model.lora.files import target_modules
+from server.model.lora.modules import LoRAModules
 from server.model.quantization import (
     quantize_decoder_w8a8,
     quantize_decoder_weights,
     quantized_lm_head,
 )
-from server.model.tp_group import TPGroup
-from server.model.tp_shard import reduce_row_parallel, shard_model
+from server.parallel.group import TPGroup
+from server.parallel.shard import reduce_row_parallel, shard_model
 
 log = logging.getLogger(__name__)
 

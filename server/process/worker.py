@@ -98,7 +98,7 @@ class EngineLoop:
         try:
             self.engine.load_adapter(message.name, message.source)
             error = None
-        except ValueError as exc:  # lora_files.AdapterError, a taken name, LoRA off
+        except ValueError as exc:  # lora.files.AdapterError, a taken name, LoRA off
             error = str(exc)
         except Exception as exc:  # never leave the front end waiting
             log.exception("loading LoRA adapter %s failed", message.name)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.model.tp_group import TPGroup
+from server.parallel.group import TPGroup
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 # The plan of a model whose config has none (names as in Llama, Gemma, Qwen, Mistral).

@@ -1,8 +1,8 @@
 """A tensor-parallel group: this process's rank among the processes that each hold a shard of the
 model, and the few collectives the model side needs, over `torch.distributed` (NCCL on CUDA,
 gloo on the CPU). Rank 0 is the driver: it schedules, samples and talks to the front end; every
-rank runs the same forward on its shard (tp_shard.py) and the steps reach the others as tensors
-(tp_steps.py)."""
+rank runs the same forward on its shard (shard.py) and the steps reach the others as tensors
+(plan_broadcast.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 DRIVER = 0
 # How long a collective may wait for a peer before it fails: start-up (every rank loading its
-# shard) is the longest wait; a dead peer is noticed by the supervisor (tp_workers.py) sooner.
+# shard) is the longest wait; a dead peer is noticed by the supervisor (workers.py) sooner.
 COLLECTIVE_TIMEOUT = timedelta(minutes=20)
 
 

@@ -1,5 +1,5 @@
 """LoRA adapters over the served model: resident slots on the device, and the delta of every
-row's adapter added inside the base model's own linear layers (the files: lora_files.py).
+row's adapter added inside the base model's own linear layers (the files: files.py).
 
 An adapter is a low-rank update `W + (alpha / r) * B @ A` of some of the decoder's projections
 (peft's `target_modules`). Rather than merging it into the weights (one adapter per model copy),
@@ -10,7 +10,7 @@ rows of a step may each use a different adapter and the base rows cost nothing. 
 uses is the engine's business (engine/adapters.py); the step only says it per token (`LoRAStep`).
 
 The delta per projection is one pass over the step: on CUDA one Triton launch pair for all rows
-(triton_lora.py, the punica "bgmv" idea); on the CPU three ops whatever the adapters in the step:
+(kernel.py, the punica "bgmv" idea); on the CPU three ops whatever the adapters in the step:
 the input times every slot's A at once ([T, slots x r]), masked to each row's own slot, times every
 slot's B at once, added into the output. The extra columns are cheap (slots x r is 64 at the
 defaults) where a GEMM pair per adapter and its row gathers cost a dispatch each: with four
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from server.model.lora_files import LoRAAdapter, load_adapter
-from server.model.tp_shard import ShardedModel
+from server.model.lora.files import LoRAAdapter, load_adapter
+from server.parallel.shard import ShardedModel
 from server.step_plan import NO_ADAPTER, AdapterInstall, StepPlan
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class LoRALinear(nn.Module):
         flat_x = x.reshape(-1, x.shape[-1])
         flat_y = y.view(-1, y.shape[-1])
         if self.fused:
-            from server.model.triton_lora import add_lora_delta
+            from server.model.lora.kernel import add_lora_delta
 
             add_lora_delta(flat_x.contiguous(), flat_y, stack.a, stack.b, step.slots)
             return y
@@ -254,7 +254,7 @@ class LoRAModules:
             stack.put(install.slot, weights)
 
     def read(self, name: str, source: str) -> LoRAAdapter:
-        """An adapter's files checked against this model (lora_files.AdapterError when they do
+        """An adapter's files checked against this model (lora.files.AdapterError when they do
         not fit); any thread."""
         return load_adapter(name, source, self.targets, self.max_rank)
 

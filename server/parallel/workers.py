@@ -1,9 +1,9 @@
 """The follower ranks of a tensor-parallel engine: processes the engine's process starts (spawned,
 one per device) and supervises.
 
-Each follower loads its share of the model and then runs the driver's steps (tp_steps.py) until
-the driver says stop. Termination signals are left to the front end, which drains first and then
-ends the engine (which stops its followers). A follower whose driver is gone (its lifeline pipe
+Each follower loads its share of the model and then runs the driver's plans (plan_broadcast.py)
+until the driver says stop. Termination signals are left to the front end, which drains first and
+then ends the engine (which stops its followers). A follower whose driver is gone (its lifeline pipe
 closes) exits; a follower that dies ends its driver's process at once: a collective would wait for
 it (NCCL) or fail mid-step, and the front end, seeing the engine process gone, answers 503 and
 fails `/health` (a supervisor such as Kubernetes then restarts the server).
@@ -25,8 +25,8 @@ from server.config import ServerConfig
 from server.logs import setup_logging
 from server.model.devices import pick_device
 from server.model.loader import resolve_model_dir
-from server.model.tp_group import Rendezvous, TPGroup, rank_device
-from server.model.tp_steps import StepFollower
+from server.parallel.group import Rendezvous, TPGroup, rank_device
+from server.parallel.plan_broadcast import StepFollower
 from server.runner_setup import build_runner, set_threads
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def run_follower(
     group = TPGroup.join(rendezvous, rank, size, device)
     runner = build_runner(config, resolve_model_dir(config.model, config.cache_dir), device, group)
     runner.warm_up()
-    StepFollower.of(group, runner.execute, runner.lora).run()
+    StepFollower(group, runner.execute, runner.lora.targets if runner.lora else {}).run()
     group.leave()
     logging.shutdown()
     os._exit(0)

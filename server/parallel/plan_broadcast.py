@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from server.model.lora import LoRAModules
-from server.model.tp_group import TPGroup
+from server.parallel.group import TPGroup
 from server.step_plan import StepOutput, StepPlan, decode_plan, encode_plan
 
 STEP, STOP = 1, 2
@@ -31,11 +30,12 @@ class StepBroadcast:
         self.adapter_paths = adapter_paths
 
     @classmethod
-    def of_driver(cls, group: TPGroup | None, lora: LoRAModules | None) -> StepBroadcast | None:
-        """The driver's broadcast (None on one rank, or on a follower)."""
+    def of_driver(cls, group: TPGroup | None, adapter_paths: list[str]) -> StepBroadcast | None:
+        """The driver's broadcast (None on one rank, or on a follower); `adapter_paths`: the
+        projections LoRA adapters may change, in the order installs send them."""
         if group is None or not group.is_driver:
             return None
-        return cls(group, list(lora.targets) if lora else [])
+        return cls(group, adapter_paths)
 
     def _send(self, op: int, payload: list[int], floats: int = 0, deferred: int = 0) -> None:
         header = torch.tensor([op, len(payload), floats, deferred], dtype=torch.long)
@@ -70,12 +70,6 @@ class StepFollower:
         self.group = group
         self.execute = execute
         self.adapter_shapes = adapter_shapes
-
-    @classmethod
-    def of(
-        cls, group: TPGroup, execute: Callable[[StepPlan], StepOutput], lora: LoRAModules | None
-    ):
-        return cls(group, execute, lora.targets if lora is not None else {})
 
     def run(self) -> None:
         while True:
