@@ -237,6 +237,15 @@ class ServerConfig(LoRASettings, ParallelSettings):
         return self
 
     @model_validator(mode="after")
+    def _ranks_need_the_engine_process(self) -> ServerConfig:
+        if self.tensor_parallel_size > 1 and self.engine_process == "off":
+            raise ValueError(
+                "tensor_parallel_size > 1 runs the engine in a process of its own (it starts "
+                "and supervises the other ranks): engine_process cannot be off"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _default_max_tokens_within_the_limit(self) -> ServerConfig:
         if 0 < self.max_tokens_limit < self.default_max_tokens:
             raise ValueError(

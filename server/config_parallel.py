@@ -45,12 +45,3 @@ class ParallelSettings(BaseModel):
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank ({self.node_rank}) must be < nnodes ({self.nnodes})")
         return self
-
-    @model_validator(mode="after")
-    def _ranks_need_the_engine_process(self) -> ParallelSettings:
-        if self.tensor_parallel_size > 1 and getattr(self, "engine_process", "auto") == "off":
-            raise ValueError(
-                "tensor_parallel_size > 1 runs the engine in a process of its own (it starts "
-                "and supervises the other ranks): engine_process cannot be off"
-            )
-        return self
