@@ -22,6 +22,8 @@ sibling order (they share its generator). Seeded tokens therefore differ from HF
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,6 +69,7 @@ class SamplingTensors:
         device: torch.device | str,
         constraint: ConstraintMask | None = None,
         penalty_histories: Sequence[PenaltyHistory | None] | None = None,
+        kept: KeptRowTensors | None = None,
     ) -> SamplingTensors:
         """Tensors for R rows: each row's params, its prompt and the tokens it generated so far.
 
@@ -75,7 +78,50 @@ class SamplingTensors:
         `stop_token_ids` and `ignore_eos` are applied per row). `constraint`: the mask of
         the constrained rows (`build_constraint_mask`, constraints.py), if any.
         `penalty_histories`: the rows' kept penalty state, where they have one (processors.py).
+        `kept`: the tensors that depend on the rows' params alone, kept from the last step
+        and reused while the rows' params are the same objects in the same order.
         """
+        processors = build_processor_tensors(
+            params, prompt_ids, output_ids, eos_ids, vocab_size, device, penalty_histories
+        )
+        by_params = kept.get(params, eos_ids, vocab_size, device) if kept is not None else None
+        if by_params is None:
+            by_params = RowTensors.of(params, eos_ids, vocab_size, device)
+            if kept is not None:
+                kept.put(params, eos_ids, vocab_size, device, by_params)
+        warpers = by_params.warpers
+        return cls(
+            num_rows=len(params),
+            processors=processors,
+            # a step's own copy: its warpers set `unsure`, which a late read may still need
+            warpers=dataclasses.replace(warpers) if warpers is not None else None,
+            beam_rows=by_params.beam_rows,
+            sample_rows=by_params.sample_rows,
+            sample_row_list=by_params.sample_row_list,
+            logprob_rows=by_params.logprob_rows,
+            constraint=constraint,
+        )
+
+
+@dataclass
+class RowTensors:
+    """What a step's sampling tensors take from the rows' params alone: the warpers' per-row
+    values and which rows are scored as beams, drawn, or asked for logprobs."""
+
+    warpers: WarperTensors | None
+    beam_rows: torch.Tensor | None
+    sample_rows: torch.Tensor | None
+    sample_row_list: list[int]
+    logprob_rows: list[int]
+
+    @classmethod
+    def of(
+        cls,
+        params: Sequence[DecodingParams],
+        eos_ids: Sequence[int] | frozenset[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> RowTensors:
         strategies = [p.strategy for p in params]
         beam = [s in BEAM_STRATEGIES for s in strategies]
         drawn = [s in ("sample", "best_of") for s in strategies]
@@ -87,16 +133,6 @@ class SamplingTensors:
         sample_list = [r for r, d in enumerate(drawn) if d]
         beam_list = [r for r, b in enumerate(beam) if b]
         return cls(
-            num_rows=len(params),
-            processors=build_processor_tensors(
-                params,
-                prompt_ids,
-                output_ids,
-                eos_ids,
-                vocab_size,
-                device,
-                penalty_histories,
-            ),
             warpers=build_warper_tensors(params, warped, min_keep, vocab_size, device),
             beam_rows=to_device(beam_list, device, torch.long) if beam_list else None,
             sample_rows=to_device(sample_list, device, torch.long) if sample_list else None,
@@ -106,8 +142,51 @@ class SamplingTensors:
                 for r, (p, s) in enumerate(zip(params, strategies))
                 if s not in BEAM_STRATEGIES and (p.logprobs is not None or s == "best_of")
             ],
-            constraint=constraint,
         )
+
+
+class KeptRowTensors:
+    """The last step's `RowTensors`, kept for the next: in the steady state the same requests'
+    rows sample step after step, and their warper values and row lists are built once, not from
+    every row's params at every step. Params are compared by identity (a request's
+    `DecodingParams` is one frozen object for all its rows), and the kept list holds them, so an
+    id cannot be reused by another request while it is kept."""
+
+    def __init__(self) -> None:
+        self._params: list[DecodingParams] = []
+        self._context: tuple[object, ...] = ()
+        self._tensors: RowTensors | None = None
+        self.hits = 0  # steps that reused the kept tensors
+
+    def get(
+        self,
+        params: Sequence[DecodingParams],
+        eos_ids: Sequence[int] | frozenset[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> RowTensors | None:
+        kept = self._params
+        if (
+            self._tensors is None
+            or len(kept) != len(params)
+            or self._context != (eos_ids, vocab_size, str(device))
+            or not all(map(operator.is_, kept, params))
+        ):
+            return None
+        self.hits += 1
+        return self._tensors
+
+    def put(
+        self,
+        params: Sequence[DecodingParams],
+        eos_ids: Sequence[int] | frozenset[int],
+        vocab_size: int,
+        device: torch.device | str,
+        tensors: RowTensors,
+    ) -> None:
+        self._params = list(params)
+        self._context = (eos_ids, vocab_size, str(device))
+        self._tensors = tensors
 
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors, exact: bool = True) -> torch.Tensor:

@@ -17,6 +17,7 @@ from decoding import (
     sample,
     token_logprobs,
 )
+from decoding.sampling import KeptRowTensors
 
 V = 50
 EOS = frozenset({2})
@@ -236,3 +237,86 @@ def test_the_one_read_path_equals_the_exact_one_for_mixed_warper_rows(
     scores, tokens = sample(logits, t, generators())
     torch.testing.assert_close(scores, want)
     assert tokens == choose_tokens(want, t, generators()).tolist()
+
+
+# ---- the params-only tensors kept from step to step -------------------------------------------
+def _mixed_params() -> list[DecodingParams]:
+    sampled = DecodingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3)
+    return [
+        DecodingParams(temperature=0.0),
+        sampled,
+        sampled,  # a request's second row: the same object
+        DecodingParams(temperature=1.2, min_p=0.1, logprobs=2),
+        DecodingParams(num_beams=2),
+        DecodingParams(num_beams=2, do_sample=True, temperature=0.9),
+    ]
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(
+            _equal(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__
+        )
+    return a == b
+
+
+def test_kept_row_tensors_are_reused_only_for_the_same_params_in_the_same_order() -> None:
+    params = _mixed_params()
+    prompts, outputs = [[1, 2, 3]] * len(params), [[4, 5]] * len(params)
+    kept = KeptRowTensors()
+
+    def build(rows: list[DecodingParams]) -> SamplingTensors:
+        return SamplingTensors.from_rows(
+            rows, prompts[: len(rows)], outputs[: len(rows)], frozenset({0}), 50, "cpu", kept=kept
+        )
+
+    first = build(params)
+    again = build(list(params))  # another list, the same objects: reused
+    assert kept.hits == 1
+    fresh = SamplingTensors.from_rows(params, prompts, outputs, frozenset({0}), 50, "cpu")
+    for tensors in (first, again):
+        assert _equal(tensors, fresh)
+    assert again.warpers is not first.warpers  # each step its own (its `unsure` flag)
+    equal_but_new = [
+        *params[:3],
+        DecodingParams(temperature=1.2, min_p=0.1, logprobs=2),
+        *params[4:],
+    ]
+    changed = build(equal_but_new)  # equal, but another request's: rebuilt, not trusted
+    assert kept.hits == 1 and _equal(changed, fresh)
+    reordered = build([params[1], params[0], *params[2:]])
+    assert kept.hits == 1
+    assert _equal(
+        reordered,
+        SamplingTensors.from_rows(
+            [params[1], params[0], *params[2:]], prompts, outputs, frozenset({0}), 50, "cpu"
+        ),
+    )
+    shorter = build(params[:4])  # a request left
+    assert kept.hits == 1 and shorter.num_rows == 4
+
+
+def test_kept_row_tensors_draw_the_tokens_a_fresh_build_draws() -> None:
+    """Step after step with the same rows, seeded: the same tokens as tensors built anew."""
+    params = [p for p in _mixed_params() if not p.is_beam]
+    kept = KeptRowTensors()
+    gens = {k: [torch.Generator().manual_seed(7 + r) for r in range(len(params))] for k in (1, 0)}
+    tokens: dict[int, list[list[int]]] = {1: [], 0: []}
+    torch.manual_seed(0)
+    logits_steps = [torch.randn(len(params), 50) for _ in range(4)]
+    for use_kept in (1, 0):
+        for logits in logits_steps:
+            t = SamplingTensors.from_rows(
+                params,
+                [[1, 2, 3]] * len(params),
+                [[4, 5]] * len(params),
+                frozenset({0}),
+                50,
+                "cpu",
+                kept=kept if use_kept else None,
+            )
+            tokens[use_kept].append(sample(logits, t, gens[use_kept])[1])
+    assert kept.hits == 3
+    assert tokens[1] == tokens[0]

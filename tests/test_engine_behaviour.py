@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from decoding import DecodingParams
+from decoding.sampling import KeptRowTensors
 from tests.conftest import make_engine
 from tests.engine_driver import generate, run_to_completion, submit
 
@@ -138,3 +139,35 @@ def test_streamed_text_adds_up_to_the_decoded_tokens(llama_dir: Path) -> None:
     tok = engine.tokenizer
     got = generate(engine, [tok("Unicode: café, 東京").input_ids], GREEDY)[0]
     assert got.text == tok.decode(got.token_ids, skip_special_tokens=True)
+
+
+class NeverKept(KeptRowTensors):
+    """Builds every step's params-only sampling tensors anew (the engine before it kept them)."""
+
+    def get(self, *args: object) -> None:  # type: ignore[override]
+        return None
+
+
+def test_a_steady_batch_keeps_its_sampling_tensors_and_draws_what_a_fresh_build_draws(
+    llama_dir: Path,
+) -> None:
+    """Seeded sampled rows (with penalties, `n`), greedy rows with logprobs and a beam request in
+    one batch, requests joining and leaving: the same outputs whether the params-only tensors
+    are kept from step to step or built at every step, and most steps reuse them."""
+    work = [
+        ([5, 9, 13], DecodingParams(max_tokens=12, temperature=0.8, top_k=8, seed=1, n=2)),
+        ([7, 7, 8, 9], DecodingParams(max_tokens=20, temperature=0.0, logprobs=2)),
+        ([3, 4], DecodingParams(max_tokens=9, top_p=0.8, repetition_penalty=1.2, seed=5)),
+        ([11, 12, 13, 14], DecodingParams(max_tokens=8, num_beams=3, n=2)),
+    ]
+    outputs = []
+    for kept in (None, NeverKept()):
+        engine = make_engine(llama_dir)
+        if kept is not None:
+            engine.kept_rows = kept
+        got = [submit(engine, str(i), prompt, params) for i, (prompt, params) in enumerate(work)]
+        run_to_completion(engine)
+        outputs.append([(c.token_ids, c.text) for c in got])
+        if kept is None:
+            assert engine.kept_rows.hits >= 10
+    assert outputs[0] == outputs[1]

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from decoding.sampling import KeptRowTensors
 from server.engine.applying import ChoiceApplier
 from server.engine.block_pool import BlockPool
 from server.engine.client import UnknownAdapter
@@ -80,6 +81,7 @@ class Engine:
             adapters=self.lora.slots if self.lora else None,
         )  # fmt: skip
         self.plans = PlanBuilder(runner.block_size, lora=self.lora is not None)
+        self.kept_rows = KeptRowTensors()  # sampling tensors of the rows' params, step to step
         self.eos_token_ids = eos_token_ids(runner.model, tokenizer)
         self.output = OutputProcessor(tokenizer, self.max_model_len)
         self.recorder = StatsRecorder(self.pool, None)
@@ -261,7 +263,7 @@ class Engine:
                 return
         rows, index = self.scheduler.fork_first_samples([item.seq for item in sampling])
         batch = VerifyBatch(sampling, rows, index)  # one position per logits row (speculation)
-        pending, logits = batch.choose(logits, self.eos_token_ids)
+        pending, logits = batch.choose(logits, self.eos_token_ids, self.kept_rows)
         if self.async_scheduling and InFlight.can_overlap(batch):  # read once the next is queued
             if reused:
                 pending.keep_logits()

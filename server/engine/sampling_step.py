@@ -28,7 +28,7 @@ from decoding.constraints import (
 )
 from decoding.params import DecodingParams
 from decoding.processors import PenaltyHistory, uses_penalty_history
-from decoding.sampling import Draw, draw, draw_values, settle
+from decoding.sampling import Draw, KeptRowTensors, draw, draw_values, settle
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
 from server.engine.work import WorkItem
@@ -147,9 +147,13 @@ def _logprobs(
 
 
 def choose_on_device(
-    rows: Rows[ChoosingRow], logits: torch.Tensor, eos_ids: frozenset[int]
+    rows: Rows[ChoosingRow],
+    logits: torch.Tensor,
+    eos_ids: frozenset[int],
+    kept: KeptRowTensors | None = None,
 ) -> PendingChoices:
-    """Process `logits` [R, V] of `rows` and choose each row's next token, on the device."""
+    """Process `logits` [R, V] of `rows` and choose each row's next token, on the device;
+    `kept`: the params-only tensors of the last step, reused when its rows' params match."""
     params = [s.request.params for s in rows]
     vocab = logits.shape[-1]
     mask, mask_seconds = None, None
@@ -174,6 +178,7 @@ def choose_on_device(
         logits.device,
         constraint=mask,
         penalty_histories=penalty_histories(rows, params),
+        kept=kept,
     )
     generators = [s.request.generator for s in rows]
     beam_only = all(p.is_beam for p in params)  # beams take their tokens from their searches

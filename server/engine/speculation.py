@@ -28,6 +28,7 @@ import torch
 
 from decoding.constraints import TokenConstraint
 from decoding.processors import PenaltyHistory
+from decoding.sampling import KeptRowTensors
 from decoding.speculation import DraftLength, RowDrafts, accepted_length
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
@@ -143,14 +144,14 @@ class VerifyBatch:
         self.logits_index = None if identity else logits_rows
 
     def choose(
-        self, logits: torch.Tensor, eos_ids: frozenset[int]
+        self, logits: torch.Tensor, eos_ids: frozenset[int], kept: KeptRowTensors | None = None
     ) -> tuple[PendingChoices, torch.Tensor]:
         """A token at every position, on the device (sampling_step.choose_on_device), and the
-        positions' logits."""
+        positions' logits; `kept`: the engine's params-only tensors of the last step."""
         if self.logits_index is not None:
             index = to_device(self.logits_index, logits.device, torch.long)
             logits = logits.index_select(0, index)
-        return choose_on_device(self.positions, logits, eos_ids), logits
+        return choose_on_device(self.positions, logits, eos_ids, kept), logits
 
     def span(self, rows: slice) -> slice:
         """The positions of rows `rows` (rows without drafts: beams)."""
