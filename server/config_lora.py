@@ -24,7 +24,7 @@ class LoRASettings(BaseModel):
     )
     enable_lora: bool | None = Field(
         None,
-        description="serve LoRA adapters (the decode step then runs eagerly); empty = on when "
+        description="serve LoRA adapters (steps with an adapter row run eagerly); empty = on when "
         "lora_modules are given or allow_runtime_lora_updating is on",
     )
     max_loras: int = Field(4, ge=1, description="adapters resident on the device at once")

@@ -23,7 +23,8 @@ from server.model.kv_budget import KVBudget
 from server.model.runner import ModelRunner
 from server.step_plan import StepPlan
 from tests.conftest import TEST_DEVICE
-from tests.engine_driver import generate
+from tests.engine_driver import generate, run_to_completion, submit
+from tests.lora_adapters import make_adapter, merged_model
 from tests.test_engine_correctness import PROMPTS, hf_greedy
 from tests.test_host_syncs import CopyCounter, ReadCounter
 from tests.test_torch_compile import served_config
@@ -38,7 +39,12 @@ def test_row_buckets_double_up_to_the_largest_batch() -> None:
 
 
 def graph_runner(
-    model_dir: Path, cuda_graphs: bool = True, *, capture: bool = True, backend: str = "triton"
+    model_dir: Path,
+    cuda_graphs: bool = True,
+    *,
+    capture: bool = True,
+    backend: str = "triton",
+    max_loras: int = 0,
 ) -> ModelRunner:
     runner = ModelRunner(
         model_dir,
@@ -49,6 +55,7 @@ def graph_runner(
         kv_budget=KVBudget(max_num_seqs=MAX_ROWS, max_model_len=96),
         attention_backend=backend,
         cuda_graphs=cuda_graphs,
+        max_loras=max_loras,
     )
     if capture:
         runner.warm_up()  # captures (as the engine thread does at start-up)
@@ -301,3 +308,40 @@ class FakeCuda:
     def graph(self, graph: object, pool: object = None, stream: object = None) -> Iterator[None]:
         self.captures.append((stream, pool))
         yield
+
+
+def test_a_lora_server_replays_the_graphs_for_steps_of_base_rows_only(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The graphs are captured before any adapter is installed (the base model alone): steps of
+    base rows replay them, steps with an adapter row run eagerly with the deltas; the tokens are
+    generate()'s of the base model and of the merged one."""
+    model_dir = tiny_model_dirs["llama"]
+    adapter = make_adapter(model_dir, tmp_path / "qv", r=4, targets=["q_proj", "v_proj"], scale=30)
+    runner = graph_runner(model_dir, max_loras=2)
+    graphs = runner.graphs
+    assert graphs is not None and graphs.graphs
+    replays: list[int] = []
+    for rows, (graph, _) in graphs.graphs.items():
+        replay = graph.replay
+        graph.replay = lambda rows=rows, replay=replay: (replays.append(rows), replay())[1]  # type: ignore[method-assign]
+    engine = Engine(runner, AutoTokenizer.from_pretrained(model_dir))
+    engine.load_adapter("qv", str(adapter))
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[:2]]
+    params = DecodingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with_adapter = submit(engine, "a", prompts[0], params, "qv")
+    base_row = submit(engine, "b", prompts[1], params)
+    run_to_completion(engine)
+    assert replays == []  # an adapter row in every decode step
+    alone = generate(engine, [prompts[1]], params)[0]
+    assert len(replays) >= 5  # the base row's decode steps, the adapter now in a slot
+    assert alone.token_ids == base_row.token_ids == hf_greedy(model_dir, PROMPTS[1], 6)
+    assert with_adapter.token_ids == merged_greedy(model_dir, adapter, prompts[0], 6)
+
+
+def merged_greedy(model_dir: Path, adapter: Path, ids: list[int], new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = merged_model(model_dir, adapter).generate(
+            torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=1
+        )
+    return out[0, len(ids) :].tolist()

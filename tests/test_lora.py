@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
 from decoding import DecodingParams
 from server.engine.adapters import AdapterRegistry
@@ -17,7 +18,8 @@ from server.engine.engine import Engine
 from server.model.lora import modules as lora
 from server.model.lora.files import AdapterError, read_adapter
 from server.model.lora.modules import LoRALinear, LoRAStep
-from tests.conftest import hf_reference, make_engine
+from server.model.runner import ModelRunner
+from tests.conftest import TEST_DEVICE, hf_reference, make_engine
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.lora_adapters import ALL_TARGETS, edit_config, make_adapter, merged_model
 
@@ -401,3 +403,49 @@ def test_the_triton_kernel_path_serves_the_same_tokens(
         reference = merged_model(llama_dir, adapters[adapter]) if adapter else None
         expected = hf_greedy(reference or hf_reference(llama_dir)[0], ids, 6)
         assert result.token_ids == expected, adapter
+
+
+def test_a_lora_server_runs_its_base_steps_through_the_compiled_decode_step(
+    llama_dir: Path, adapter_dirs: dict[tuple[str, str], Path], tmp_path: Path
+) -> None:
+    """LoRA keeps torch.compile: the decode step is traced before any adapter is installed, so
+    steps of base rows run it (as fast as a server without LoRA) and steps with an adapter row
+    run eagerly with the deltas; the tokens are generate()'s of the base and the merged model."""
+    path = adapter_dirs["llama", "qv8"]
+    runner = ModelRunner(
+        llama_dir,
+        device=TEST_DEVICE,
+        dtype=torch.float32,
+        block_size=4,
+        num_blocks=256,
+        max_loras=2,
+        compile_decode=True,
+        compile_cache=tmp_path,
+    )
+    runner.warm_up()
+    assert runner.compiled_decode is not None and runner.compiled_decode.source == "compiled"
+    engine = Engine(runner, AutoTokenizer.from_pretrained(llama_dir))
+    engine.load_adapter("qv8", str(path))
+    compiled_rows: list[int] = []
+    compiled = runner._run_decode
+
+    def counting(input_ids, position_ids, ctx):  # type: ignore[no-untyped-def]
+        compiled_rows.append(input_ids.shape[1])
+        return compiled(input_ids, position_ids, ctx)
+
+    runner._run_decode = counting  # type: ignore[method-assign]
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    params = DecodingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    base_only = run(engine, [(ids, None) for ids in prompts], params)
+    assert len(compiled_rows) >= 7  # every decode step of the base rows
+    before = len(compiled_rows)
+    mixed = run(engine, [(prompts[0], "qv8"), (prompts[1], None)], params)
+    assert len(compiled_rows) == before  # an adapter row in every step: eager
+    again = run(engine, [(ids, None) for ids in prompts], params)  # the adapter now in a slot
+    assert len(compiled_rows) >= before + 7  # the compiled step still fits
+    base, merged = hf_reference(llama_dir)[0], merged_model(llama_dir, path)
+    assert [g.token_ids for g in base_only] == [hf_greedy(base, ids, 8) for ids in prompts]
+    assert [g.token_ids for g in again] == [g.token_ids for g in base_only]
+    assert mixed[0].token_ids == hf_greedy(merged, prompts[0], 8)
+    assert mixed[1].token_ids == hf_greedy(base, prompts[1], 8)
+    assert engine.pool.num_free == engine.pool.num_blocks

@@ -187,7 +187,11 @@ def test_a_later_start_loads_the_compiled_decode_step_from_the_cache_and_gives_h
     compiled = first.runner.compiled_decode
     assert compiled is not None and compiled.source == "compiled"
     assert compiled.directory is not None
-    assert sorted(p.name for p in compiled.directory.iterdir()) == ["decode-1.bin", "decode-2.bin"]
+    names = sorted(p.name for p in compiled.directory.iterdir())
+    assert names == ["decode-1.bin", "decode-2.bin", "identity.txt"]
+    about = (compiled.directory / "identity.txt").read_text().splitlines()
+    assert f"model_dir={model_dir.resolve()}" in about and "block_size=4" in about
+    assert any(line.startswith("torch=") for line in about)  # what the key digests, in full
     done = subprocess.run(
         [sys.executable, "-c", LATER_START, str(model_dir), str(tmp_path)],
         capture_output=True,

@@ -66,6 +66,12 @@ def cache_key(identity: dict[str, str]) -> str:
     number formats, layouts), the software that traced and built them, beamline's model code (the
     guards do not check source) and the CPU's instruction set (inductor's kernels are built for
     it)."""
+    return hashlib.sha256(key_text(identity).encode()).hexdigest()[:16]
+
+
+def key_text(identity: dict[str, str]) -> str:
+    """What `cache_key` digests, one `name=value` line each (kept beside the graphs, so that an
+    entry says what it was compiled for)."""
     parts = dict(identity)
     parts["python"] = platform.python_version()
     parts["torch"] = torch.__version__
@@ -75,8 +81,7 @@ def cache_key(identity: dict[str, str]) -> str:
     for path in sorted(Path(__file__).parent.glob("*.py")):
         code.update(path.read_bytes())
     parts["beamline_model_code"] = code.hexdigest()
-    text = "\n".join(f"{k}={v}" for k, v in sorted(parts.items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return "\n".join(f"{k}={v}" for k, v in sorted(parts.items())) + "\n"
 
 
 def model_identity(model_dir: Path) -> str:
@@ -124,15 +129,19 @@ def compiled_decoder(
     """`decoder`'s compiled decode step, kept in `cache` under a key of the model and the
     `settings` it was compiled for (device, number formats, layouts)."""
     identity = {"model": model_identity(model_dir), **settings}
-    return CompiledDecode(decoder, cache / cache_key(identity) if cache else None)
+    if cache is None:
+        return CompiledDecode(decoder, None)
+    about = f"model_dir={model_dir.resolve()}\n{key_text(identity)}"
+    return CompiledDecode(decoder, cache / cache_key(identity), about)
 
 
 class CompiledDecode:
     """`decode_forward` of one decoder, compiled: call `prepare` once, then call it per step."""
 
-    def __init__(self, decoder: nn.Module, directory: Path | None) -> None:
+    def __init__(self, decoder: nn.Module, directory: Path | None, about: str = "") -> None:
         self.decoder = decoder
         self.directory = directory  # None: compile, keep nothing on disk
+        self.about = about  # what the entry was compiled for: identity.txt beside the graphs
         self.graphs: list[Any] = []
         self.jit: Callable[..., torch.Tensor] | None = None
         self.source: Source | None = None
@@ -244,6 +253,7 @@ class CompiledDecode:
             self.directory.mkdir(parents=True, exist_ok=True)
             for graph, path in zip(self.graphs, self._paths(), strict=True):
                 graph.save_compiled_function(str(path))
+            (self.directory / "identity.txt").write_text(self.about)
         except Exception as error:  # a read-only cache, a graph this torch cannot serialise
             # (torch 2.11's own errors are not OSErrors): serve anyway, compile again next time
             log.warning("compiled decode step not saved to %s: %s", self.directory, error)

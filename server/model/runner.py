@@ -88,9 +88,10 @@ class ModelRunner:
         tp: TPGroup | None = None,
     ) -> None:
         check_runner_options(compile_decode, quantization, device)  # before minutes of loading
-        if (max_loras or tp) and (compile_decode or cuda_graphs):  # no such inputs there
-            why = "tensor parallelism is on" if tp else "LoRA adapters are on"
-            log.warning("%s: decode steps run eagerly (no compile, no graphs)", why)
+        if tp and (compile_decode or cuda_graphs):  # the collectives are not traced
+            log.warning(
+                "tensor parallelism is on: decode steps run eagerly (no compile, no graphs)"
+            )
             compile_decode = cuda_graphs = False
         self.device = device
         self.dtype = dtype
@@ -98,6 +99,7 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_backend = pick_attention_backend(attention_backend, device, compile_decode)
         self.config = text_config(model_dir)
+        self.max_position_embeddings = int(getattr(self.config, "max_position_embeddings", 2048))
         self.tp = tp
         weights = load_serving_weights(
             model_dir,
@@ -179,14 +181,11 @@ class ModelRunner:
                 quantization=quantization,
                 linear_layout=self.linear_layout,
                 block_size=str(block_size),
+                lora=f"{max_loras} slots, rank {max_lora_rank}" if max_loras else "none",
             )
         self._run_decode = self.compiled_decode or self._run_decoder
-        adapter_paths = list(self.lora.targets) if self.lora else []
-        self.tp_steps = StepBroadcast.of_driver(tp, adapter_paths)  # the plans, to the other ranks
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 2048))
+        # the plans, to the other ranks (installs name the projections in this order)
+        self.tp_steps = StepBroadcast.of_driver(tp, list(self.lora.targets) if self.lora else [])
 
     def _run_decoder(
         self,
@@ -260,7 +259,8 @@ class ModelRunner:
         edit_tokens(input_ids[0])
         position_ids = to_device(positions, self.device, torch.long).unsqueeze(0)
         ctx.kv = self.kv_cache  # the compiled step takes the pools as an input
-        return self._logits(self._run_decode(input_ids, position_ids, ctx))
+        run = self._run_decoder if self.lora and self.lora.in_use else self._run_decode
+        return self._logits(run(input_ids, position_ids, ctx))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -285,8 +285,9 @@ class ModelRunner:
             if plan.deferred is not None:
                 edit = functools.partial(put_deferred, plan=plan, row_starts=plan.token_starts())
             decode = plan.decode_only
-            if decode and self.graphs is not None and self.graphs.fits(tables):
-                logits = self.graphs.run(*decode_inputs(plan, tables), edit)
+            graphs = self.graphs if not (self.lora and self.lora.in_use) else None
+            if decode and graphs is not None and graphs.fits(tables):
+                logits = graphs.run(*decode_inputs(plan, tables), edit)
                 return StepOutput(logits, reused=True)  # the next replay overwrites them
             if self.attention_backend != "triton":  # drafts: one decode query row each
                 inputs = decode_inputs(plan, tables) if decode else verify_inputs(plan, tables)

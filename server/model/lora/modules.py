@@ -253,6 +253,13 @@ class LoRAModules:
                 weights = self.shard.shard_adapter(path, *weights)
             stack.put(install.slot, weights)
 
+    @property
+    def in_use(self) -> bool:
+        """Whether the step being run adds any adapter's delta. A step of base rows runs the
+        base model's compiled step and CUDA graphs, traced and captured before any adapter was:
+        `LoRALinear` leaves the base layer's output alone then."""
+        return self.state.step is not None
+
     def read(self, name: str, source: str) -> LoRAAdapter:
         """An adapter's files checked against this model (lora.files.AdapterError when they do
         not fit); any thread."""
