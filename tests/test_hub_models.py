@@ -93,9 +93,13 @@ def use_hub(monkeypatch: pytest.MonkeyPatch, fake: FakeHub) -> FakeHub:
 
 
 def serve_config(model: str, **extra: object) -> ServerConfig:
-    return ServerConfig(
-        model=model, device=TEST_DEVICE_NAME, num_kv_blocks=64, block_size=4, **extra
-    )  # type: ignore[arg-type]
+    fields: dict = {
+        "model": model,
+        "device": TEST_DEVICE_NAME,
+        "num_kv_blocks": 64,
+        "block_size": 4,
+    }
+    return ServerConfig(**{**fields, **extra})
 
 
 async def test_a_hub_id_loads_from_the_cache_offline_and_answers_under_its_id(
@@ -273,7 +277,9 @@ async def test_a_gguf_quant_from_the_cache_is_converted_and_served(hub_cache: Pa
     """The same bytes as the default model, so the conversion the default model's tests made is
     found again (the converted copy is keyed by the file's real path)."""
     write_gguf_repo(hub_cache, default_gguf_path())
-    config = prepare_model(serve_config(f"{GGUF_REPO}:Q4_K_M", num_threads=2))
+    # the default block size: the compiled decode step of the default model's other tests fits
+    # (its cache key names the block size), so it is loaded, not compiled again
+    config = prepare_model(serve_config(f"{GGUF_REPO}:Q4_K_M", num_threads=2, block_size=16))
     assert resolve_model_dir(config.model) == resolve_model_dir(None)
     ctx = build_serving_context(config)
     try:

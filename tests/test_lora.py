@@ -449,3 +449,31 @@ def test_a_lora_server_runs_its_base_steps_through_the_compiled_decode_step(
     assert mixed[0].token_ids == hf_greedy(merged, prompts[0], 8)
     assert mixed[1].token_ids == hf_greedy(base, prompts[1], 8)
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_an_adapter_whose_first_step_failed_is_installed_with_the_next_plan(
+    llama_dir: Path, adapter_dirs: dict[tuple[str, str], Path]
+) -> None:
+    """A step that fails before its plan reached the model fails its requests; the adapters that
+    plan was to put in their slots go with the next plan, so the next request on the adapter
+    gets the adapter's tokens, not whatever the slot held."""
+    path = adapter_dirs["llama", "qv8"]
+    engine = lora_engine(llama_dir, {"qv8": path})
+    real = engine.runner.execute
+    installs: list[int] = []
+
+    def failing_once(plan):  # type: ignore[no-untyped-def]
+        installs.append(len(plan.installs))
+        if len(installs) == 1:
+            raise RuntimeError("simulated device error")
+        return real(plan)
+
+    engine.runner.execute = failing_once  # type: ignore[method-assign]
+    ids = engine.tokenizer(PROMPTS[0]).input_ids
+    params = DecodingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    failed = submit(engine, "lost", ids, params, "qv8")
+    run_to_completion(engine)
+    assert failed.outputs[-1].finish_reason == "error"
+    got = run(engine, [(ids, "qv8")], params)[0]
+    assert installs[:2] == [1, 1]  # the failed plan's install, sent again
+    assert got.token_ids == hf_greedy(merged_model(llama_dir, path), ids, 6)

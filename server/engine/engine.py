@@ -46,6 +46,7 @@ from server.engine.stats import EngineStats, StatsRecorder
 from server.engine.work import WorkItem
 from server.metrics import Metrics
 from server.model.runner import ModelRunner, eos_token_ids
+from server.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -192,32 +193,32 @@ class Engine:
 
     def _step(self) -> bool:
         self._drain_inbox()
-        plan = self.scheduler.schedule(speculate=self._in_flight is None)
+        schedule = self.scheduler.schedule(speculate=self._in_flight is None)
         if self.lora is not None:  # the adapters given a slot go in before the next forward
             self.plans.installs += self.lora.take_installs(
                 self.scheduler.waiting, self.recorder.metrics
             )
-        self.recorder.schedule(len(plan.preempted), plan.cache_queries, plan.cache_hits)
+        self.recorder.schedule(len(schedule.preempted), schedule.cache_queries, schedule.cache_hits)
         self.endings.record_state()
-        if not plan.items:  # the last step's tokens and text, if they wait for a next step
+        if not schedule.items:  # the last step's tokens and text, if they wait for a next step
             landed = self._in_flight is not None
             self._land()
             return self._render_outputs() or landed
-        self.recorder.step(plan.items)  # before any output of this step reaches a client
+        self.recorder.step(schedule.items)  # before any output of this step reaches a client
+        plan: StepPlan | None = None
         try:
-            plan.items = self.prompt_scoring.plan(plan.items)
-            deferred = self._in_flight.inputs(plan.items) if self._in_flight else None
+            schedule.items = self.prompt_scoring.plan(schedule.items)
+            deferred = self._in_flight.inputs(schedule.items) if self._in_flight else None
             released = self.scheduler.take_released()
-            output = self.runner.execute(
-                self.plans.build(plan.items, plan.copies, released, deferred)
-            )
+            plan = self.plans.build(schedule.items, schedule.copies, released, deferred)
+            output = self.runner.execute(plan)
             # Overlap: on a GPU the forward above is only queued; the previous step's tokens are
             # read and applied, and its text rendered, while it runs.
             if self._land() and deferred is not None:
                 return True  # a top-k tie changed a token this step read: it runs again
             self._render_outputs()
-            self.prompt_scoring.record(plan.items, output.scores)
-            sampling = self.scheduler.update_from_output(plan)
+            self.prompt_scoring.record(schedule.items, output.scores)
+            sampling = self.scheduler.update_from_output(schedule)
             if sampling:
                 self._decode(sampling, output.logits, output.reused)
             if not self.overlap_outputs:
@@ -225,7 +226,9 @@ class Engine:
         except Exception as exc:  # a failing step fails its own requests, never the loop
             log.exception("engine step failed")
             message = f"internal error: {type(exc).__name__}: {exc}"
-            failed = {item.seq.request for item in plan.items} | self.output.drop_pending()
+            failed = {item.seq.request for item in schedule.items} | self.output.drop_pending()
+            if plan is not None:  # its adapters may not be in their slots: the next plan's are
+                self.plans.installs[:0] = plan.installs
             if self._in_flight is not None:
                 failed |= {seq.request for seq in self._in_flight.batch.rows}
                 self._in_flight.drop()
