@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,11 +84,9 @@ class SamplingTensors:
         processors = build_processor_tensors(
             params, prompt_ids, output_ids, eos_ids, vocab_size, device, penalty_histories
         )
-        by_params = kept.get(params, eos_ids, vocab_size, device) if kept is not None else None
-        if by_params is None:
-            by_params = RowTensors.of(params, eos_ids, vocab_size, device)
-            if kept is not None:
-                kept.put(params, eos_ids, vocab_size, device, by_params)
+        context = (eos_ids, vocab_size, str(device))
+        build = lambda: RowTensors.of(params, eos_ids, vocab_size, device)  # noqa: E731
+        by_params = kept.tensors(params, context, build) if kept is not None else build()
         warpers = by_params.warpers
         return cls(
             num_rows=len(params),
@@ -158,35 +156,25 @@ class KeptRowTensors:
         self._tensors: RowTensors | None = None
         self.hits = 0  # steps that reused the kept tensors
 
-    def get(
+    def tensors(
         self,
         params: Sequence[DecodingParams],
-        eos_ids: Sequence[int] | frozenset[int],
-        vocab_size: int,
-        device: torch.device | str,
-    ) -> RowTensors | None:
+        context: tuple[object, ...],
+        build: Callable[[], RowTensors],
+    ) -> RowTensors:
+        """The kept tensors when `params` (and the `context`: EOS ids, vocabulary, device) are
+        the last step's, else `build()`'s, kept for the next step."""
         kept = self._params
         if (
-            self._tensors is None
-            or len(kept) != len(params)
-            or self._context != (eos_ids, vocab_size, str(device))
-            or not all(map(operator.is_, kept, params))
+            self._tensors is not None
+            and len(kept) == len(params)
+            and self._context == context
+            and all(map(operator.is_, kept, params))
         ):
-            return None
-        self.hits += 1
+            self.hits += 1
+            return self._tensors
+        self._params, self._context, self._tensors = list(params), context, build()
         return self._tensors
-
-    def put(
-        self,
-        params: Sequence[DecodingParams],
-        eos_ids: Sequence[int] | frozenset[int],
-        vocab_size: int,
-        device: torch.device | str,
-        tensors: RowTensors,
-    ) -> None:
-        self._params = list(params)
-        self._context = (eos_ids, vocab_size, str(device))
-        self._tensors = tensors
 
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors, exact: bool = True) -> torch.Tensor:
