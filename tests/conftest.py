@@ -32,18 +32,46 @@ from server.metrics import Metrics
 from server.model.runner import ModelRunner
 from tests.tiny_models import build_tiny_model
 
-torch.set_num_threads(2)
+# Under pytest-xdist (`-n N`, the README's test command) each worker gets its share of the cores:
+# torch's threads of two workers on two cores would spin against each other (3x slower).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 TEST_DEVICE = torch.device(TEST_DEVICE_NAME)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `cpu_only` skip on another device (the GPU kit's run), with the reason."""
+    """Tests marked `cpu_only` skip on another device (the GPU kit's run), with the reason.
+
+    Under pytest-xdist's `--dist loadgroup` a file's tests run in one worker, so its module
+    fixtures (a model, a server) are built once; the client suite's package-wide server too."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        group = "tests/clients" if module.startswith("tests/clients/") else module
+        item.add_marker(pytest.mark.xdist_group(group))
     if TEST_DEVICE_NAME == "cpu":
         return
     skip = pytest.mark.skip(reason=f"cpu_only: not on BEAMLINE_TEST_DEVICE={TEST_DEVICE_NAME}")
     for item in items:
         if item.get_closest_marker("cpu_only") is not None:
             item.add_marker(skip)
+
+
+# Clients the client suite ran (tests/clients/), with their versions, from the tests' reports:
+# the xdist controller prints the summary but runs no test.
+CLIENT_VERSIONS: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == "client_versions":
+            CLIENT_VERSIONS.update(value)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if CLIENT_VERSIONS:
+        versions = ", ".join(f"{k} {v}" for k, v in sorted(CLIENT_VERSIONS.items()))
+        terminalreporter.write_line(f"client versions: {versions}")
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from server.logs import JsonFormatter, TextFormatter, UvicornLifespanAtDebug
+from server.model import loader
 from server.model.kv_budget import KVBudget, plan_num_blocks
 from server.model.loader import LocatedModel, conversion_dir, loading_plan
 from tests.hub_cache import commit_of, model_files, write_snapshot
@@ -119,6 +121,53 @@ def test_the_line_before_the_port_opens_says_whether_a_gguf_is_converted(tmp_pat
     assert loading_plan(LocatedModel(gguf, "m"), tmp_path) == (
         f"loading m from {target} (converted from m.gguf)"
     )
+
+
+class FakeSaved:
+    """Stands in for the converted model and tokenizer: `save_pretrained` writes one file; the
+    model's first runs `meanwhile` (another process finishing its conversion first)."""
+
+    hf_quantizer = None
+    config = object()
+    generation_config = None
+
+    def __init__(self, name: str, meanwhile: Callable[[], None] = lambda: None) -> None:
+        self.name, self.meanwhile = name, meanwhile
+
+    def save_pretrained(self, folder: Path) -> None:
+        self.meanwhile()
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / self.name).write_text(json.dumps({"by": os.getpid()}))
+
+
+@pytest.mark.parametrize("raced", [False, True], ids=["alone", "another-process-first"])
+def test_a_gguf_conversion_lands_whole_and_the_first_copy_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raced: bool
+) -> None:
+    """Each process converts into a folder of its own and renames it into place: two servers
+    starting at once never see a half-written copy, and the one that finishes second keeps the
+    first's copy."""
+    import transformers
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 1000)
+    target = conversion_dir(gguf, tmp_path)
+
+    def other_process_finishes() -> None:
+        if raced:
+            target.mkdir()
+            (target / "config.json").write_text('{"by": "the other process"}')
+
+    model = FakeSaved("config.json", other_process_finishes)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: FakeSaved("tokenizer.json")
+    )
+    monkeypatch.setattr(loader, "add_missing_chat_template", lambda *args: False)
+    loader.convert_gguf(gguf, target)
+    by = json.loads((target / "config.json").read_text())["by"]
+    assert by == ("the other process" if raced else os.getpid())
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
 
 
 @pytest.mark.timeout(240)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import server.runner_setup
 from decoding import DecodingParams
@@ -22,6 +26,7 @@ from server.model.runner import ModelRunner
 from tests.conftest import make_engine
 from tests.engine_driver import generate
 from tests.test_engine_correctness import PROMPTS, hf_greedy
+from tests.tiny_models import build_tiny_model
 
 
 def test_decode_step_reads_each_rows_history_through_its_block_table() -> None:
@@ -166,6 +171,7 @@ def refuse(*args):
     raise AssertionError("compiled again instead of loading")
 
 CompiledDecode._compile = refuse
+torch.set_num_threads(int(sys.argv[3]))  # the first start's (part of the key)
 engine = compiled_engine(Path(sys.argv[1]), compile_cache=Path(sys.argv[2]))
 assert engine.runner.compiled_decode.source == "loaded"
 for tokens in later_start_tokens(engine):
@@ -179,11 +185,35 @@ def later_start_tokens(engine: Engine) -> list[list[int]]:
     return [r.token_ids for r in generate(engine, prompts, params)]
 
 
-def test_a_later_start_loads_the_compiled_decode_step_from_the_cache_and_gives_hf_tokens(
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def other_weights(model_dir: Path, path: Path) -> Path:
+    """A copy of `model_dir` with one weight changed so that its tokens differ: the final norm's
+    scale (Gemma's `1 + w`) negated. (Other random weights would not do: the tiny models, built
+    for peaked distributions, mostly repeat the prompt's last token whatever their seed.)"""
+    shutil.copytree(model_dir, path)
+    weights = load_file(path / "model.safetensors")
+    weights["model.norm.weight"] = -2 - weights["model.norm.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_a_later_start_of_a_fine_tune_loads_the_compiled_step_and_gives_its_own_hf_tokens(
     tiny_model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
+    """The graphs take the weights as inputs: a later start of another model of the same
+    architecture, in another folder, loads the entry and answers with its own weights."""
     model_dir = tiny_model_dirs["gemma3"]
-    first = compiled_engine(model_dir, compile_cache=tmp_path)
+    fine_tune = other_weights(model_dir, tmp_path / "fine-tune")
+    first = compiled_engine(model_dir, compile_cache=tmp_path / "cache")
     compiled = first.runner.compiled_decode
     assert compiled is not None and compiled.source == "compiled"
     assert compiled.directory is not None
@@ -193,14 +223,22 @@ def test_a_later_start_loads_the_compiled_decode_step_from_the_cache_and_gives_h
     assert f"model_dir={model_dir.resolve()}" in about and "block_size=4" in about
     assert any(line.startswith("torch=") for line in about)  # what the key digests, in full
     done = subprocess.run(
-        [sys.executable, "-c", LATER_START, str(model_dir), str(tmp_path)],
+        [
+            sys.executable,
+            "-c",
+            LATER_START,
+            str(fine_tune),
+            str(tmp_path / "cache"),
+            str(torch.get_num_threads()),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "running it eagerly" not in done.stderr  # every step went through the loaded graphs
-    expected = [hf_greedy(model_dir, p, 20) for p in PROMPTS]
+    expected = [hf_greedy(fine_tune, p, 20) for p in PROMPTS]
+    assert expected != [hf_greedy(model_dir, p, 20) for p in PROMPTS]  # not the first's weights
     assert [json.loads(line) for line in done.stdout.splitlines()] == expected
 
 
@@ -250,13 +288,20 @@ def test_a_step_that_cannot_be_saved_serves_anyway_and_leaves_no_partial_entry(
 
 
 def test_the_cache_key_changes_with_model_flags_and_software(
-    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     identity = {"model": model_identity(tiny_model_dirs["gemma3"]), "quantization": "none"}
     key = cache_key(identity)
     assert cache_key(dict(identity)) == key
     assert cache_key({**identity, "quantization": "w8a8"}) != key
     assert cache_key({**identity, "model": model_identity(tiny_model_dirs["llama"])}) != key
+    # not the folder nor the weights' values: the same architecture elsewhere keys the same
+    elsewhere = other_weights(tiny_model_dirs["gemma3"], tmp_path / "other")
+    assert model_identity(elsewhere) == identity["model"]
+    wider = build_tiny_model(tmp_path / "wider", "gemma3", max_position_embeddings=1024)
+    assert model_identity(wider) != identity["model"]  # the config is part of it
+    with torch_threads(torch.get_num_threads() + 1):
+        assert cache_key(identity) != key
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert cache_key(identity) != key
 

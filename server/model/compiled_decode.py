@@ -19,7 +19,9 @@ import contextlib
 import hashlib
 import importlib.metadata
 import inspect
+import json
 import logging
+import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
@@ -77,6 +79,9 @@ def key_text(identity: dict[str, str]) -> str:
     parts["torch"] = torch.__version__
     parts["transformers"] = importlib.metadata.version("transformers")
     parts["cpu"] = f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+    # the graphs' guards check torch's thread count: a start with other `--num-threads` keeps an
+    # entry of its own rather than failing the guards and overwriting this one
+    parts["torch_threads"] = str(torch.get_num_threads())
     code = hashlib.sha256()
     for path in sorted(Path(__file__).parent.glob("*.py")):
         code.update(path.read_bytes())
@@ -85,15 +90,29 @@ def key_text(identity: dict[str, str]) -> str:
 
 
 def model_identity(model_dir: Path) -> str:
-    """The model's config and its weight files' names, sizes and modification times."""
-    digest = hashlib.sha256(str(model_dir.resolve()).encode())
+    """The model as the compiled graphs see it: its config and its weights' names, number formats
+    and shapes (a safetensors file's header; a name and size for other formats), not where it
+    lies nor the weights' values, which the graphs take as inputs. A copy of the model in another
+    folder, or a fine-tune of the same architecture, loads the same entry."""
+    digest = hashlib.sha256()
     for path in sorted(model_dir.iterdir()):
         if path.name == "config.json":
             digest.update(path.read_bytes())
-        elif path.suffix in (".safetensors", ".bin", ".gguf"):
-            stat = path.stat()
-            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        elif path.suffix == ".safetensors":
+            digest.update(path.name.encode() + _safetensors_layout(path))
+        elif path.suffix in (".bin", ".gguf"):
+            digest.update(f"{path.name}:{path.stat().st_size}".encode())
     return digest.hexdigest()
+
+
+def _safetensors_layout(path: Path) -> bytes:
+    """A safetensors file's header (each tensor's name, dtype, shape and offsets) without its free
+    `__metadata__`: the first 8 bytes are the header's length."""
+    with path.open("rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(size))
+    header.pop("__metadata__", None)
+    return json.dumps(header, sort_keys=True).encode()
 
 
 def _saveable_guards(entries: Sequence[Any]) -> list[bool]:
@@ -251,8 +270,12 @@ class CompiledDecode:
         assert self.directory is not None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            # each file written aside and renamed into place: a process loading the entry at the
+            # same time (a second server, a test worker) never reads half a graph
             for graph, path in zip(self.graphs, self._paths(), strict=True):
-                graph.save_compiled_function(str(path))
+                partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+                graph.save_compiled_function(str(partial))
+                partial.replace(path)
             (self.directory / "identity.txt").write_text(self.about)
         except Exception as error:  # a read-only cache, a graph this torch cannot serialise
             # (torch 2.11's own errors are not OSErrors): serve anyway, compile again next time
@@ -260,3 +283,4 @@ class CompiledDecode:
             for path in self._paths():  # no half-written entry for the next start to trip on
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
+                    path.with_name(f"{path.name}.{os.getpid()}.partial").unlink(missing_ok=True)

@@ -127,12 +127,14 @@ def _file_key(path: Path) -> str:
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize a GGUF file into `target` (safetensors + tokenizer), atomically."""
+    """Dequantize a GGUF file into `target` (safetensors + tokenizer), atomically: each process
+    writes a folder of its own and renames it into place, so servers (or test workers) starting
+    at once on one host never read a half-written copy; the first to finish wins."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # `beamline serve` said so before the port opened (loading_plan): a debug line here
     log.debug("converting %s into %s", gguf, target)
-    tmp = target.with_name(target.name + ".partial")
+    tmp = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     with tqdm(total=3, desc="Converting GGUF", unit="stage") as bar:
         bar.set_postfix_str("tokenizer")
@@ -153,5 +155,13 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         bar.update()
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    if (target / "config.json").is_file():  # converted meanwhile by another process
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    shutil.rmtree(target, ignore_errors=True)  # what a crash of an older release left
+    try:
+        tmp.rename(target)
+    except OSError:  # another process renamed its copy into place first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise

@@ -24,7 +24,8 @@ import pytest
 from benchmarks.launch import first_model_id, launched_beamline
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-# Clients the suite has run, with their versions: printed in pytest's summary.
+# Clients the suite has run, with their versions: each test's report carries them to pytest's
+# summary (tests/conftest.py).
 CLIENT_VERSIONS: dict[str, str] = {}
 
 
@@ -72,9 +73,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """A failing test of the live server shows the server log's last lines beside its output."""
+    """A failing test of the live server shows the server log's last lines beside its output;
+    every report carries the client versions seen so far (to the summary, across xdist
+    workers)."""
     outcome = yield
     report = outcome.get_result()
+    if CLIENT_VERSIONS:
+        report.user_properties.append(("client_versions", dict(CLIENT_VERSIONS)))
     if report.failed and LIVE and item.get_closest_marker("default_model") is not None:
         log = LIVE[-1].log
         lines = [x for x in log.read_text(errors="replace").splitlines() if "GET /health" not in x]
@@ -85,12 +90,6 @@ def record_version(name: str, version: str) -> None:
     """Note a client's version for pytest's summary (and the test's own output)."""
     CLIENT_VERSIONS[name] = version
     print(f"{name} {version}")
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if CLIENT_VERSIONS:
-        versions = ", ".join(f"{k} {v}" for k, v in sorted(CLIENT_VERSIONS.items()))
-        terminalreporter.write_line(f"client versions: {versions}")
 
 
 def client_python(client: str) -> str:
