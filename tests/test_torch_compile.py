@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -285,6 +287,29 @@ def test_a_step_that_cannot_be_saved_serves_anyway_and_leaves_no_partial_entry(
     step._save()
     assert "not saved" in caplog.text and "cannot serialise" in caplog.text
     assert not list((tmp_path / "entry").iterdir())
+
+
+def test_a_start_waits_while_another_process_compiles_the_same_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The entry's lock file, held elsewhere (another open file: flock locks are per open file,
+    as between processes), keeps `prepare` waiting; released, it goes on and loads or compiles."""
+    entry = tmp_path / "compiled" / "0123456789abcdef"
+    step = CompiledDecode(torch.nn.Identity(), entry)
+    prepared = threading.Event()
+    monkeypatch.setattr(step, "_prepare", lambda example: prepared.set() or "loaded")
+    entry.parent.mkdir(parents=True)
+    with (tmp_path / "compiled" / "0123456789abcdef.lock").open("a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with caplog.at_level(logging.INFO, logger="server.model.compiled_decode"):
+            waiting = threading.Thread(target=step.prepare, args=(None,))
+            waiting.start()
+            assert not prepared.wait(0.5)  # blocked behind the other holder
+            assert "another process is compiling" in caplog.text
+            fcntl.flock(other, fcntl.LOCK_UN)
+    assert prepared.wait(10)
+    waiting.join(10)
+    step.prepare(None)  # and a later start takes the free lock at once
 
 
 def test_the_cache_key_changes_with_model_flags_and_software(

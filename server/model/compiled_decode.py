@@ -16,6 +16,7 @@ the plain way (nothing cached).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import inspect
@@ -24,7 +25,7 @@ import logging
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,6 +155,25 @@ def compiled_decoder(
     return CompiledDecode(decoder, cache / cache_key(identity), about)
 
 
+@contextlib.contextmanager
+def entry_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive lock on a cache entry (a file beside it); the OS releases it if the
+    holder dies. A cache that cannot be written takes no lock: nothing is saved there anyway."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        file = directory.with_name(directory.name + ".lock").open("a")
+    except OSError:
+        yield
+        return
+    with file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is compiling %s: waiting to load its graphs", directory)
+            fcntl.flock(file, fcntl.LOCK_EX)
+        yield
+
+
 class CompiledDecode:
     """`decode_forward` of one decoder, compiled: call `prepare` once, then call it per step."""
 
@@ -167,7 +187,15 @@ class CompiledDecode:
         self._warned = False
 
     def prepare(self, example: ExampleInputs) -> Source:
-        """Load both graphs from the cache directory or compile (and save) them."""
+        """Load both graphs from the cache directory or compile (and save) them. One process at
+        a time per entry: a second server (or test worker) starting on the same model waits for
+        the first one's compile and loads its graphs, rather than compiling them beside it."""
+        if self.directory is None:
+            return self._prepare(example)
+        with entry_lock(self.directory):
+            return self._prepare(example)
+
+    def _prepare(self, example: ExampleInputs) -> Source:
         if self.directory is not None and (graphs := self._load()) is not None:
             misfits = [_misfit(g, self.decoder, example(r)) for g, r in zip(graphs, GRAPH_ROWS)]
             if not any(misfits):
