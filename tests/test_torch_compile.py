@@ -74,12 +74,23 @@ def compiled_engine(
     return Engine(runner, make_engine(model_dir).tokenizer, max_num_batched_tokens=16)
 
 
+@pytest.fixture(scope="module")
+def first_start(
+    tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Engine:
+    """The tiny Gemma 3 (sliding-window layers, window 6, and full layers) compiled once into an
+    empty cache, for the tests of the compiled step and of its cache entry (a compile is most of
+    each test's time)."""
+    cache = tmp_path_factory.mktemp("compile-cache")
+    return compiled_engine(tiny_model_dirs["gemma3"], compile_cache=cache)
+
+
 def test_compiled_decode_gives_hf_greedy_tokens_and_never_recompiles_after_warm_up(
-    tiny_model_dirs: dict[str, Path],
+    tiny_model_dirs: dict[str, Path], first_start: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model_dir = tiny_model_dirs["gemma3"]  # sliding-window layers (window 6) and full layers
+    model_dir = tiny_model_dirs["gemma3"]
     expected = [hf_greedy(model_dir, p, 20) for p in PROMPTS]
-    engine = compiled_engine(model_dir)
+    engine = first_start
     calls = 0
     run_decode = engine.runner._run_decode
 
@@ -88,7 +99,7 @@ def test_compiled_decode_gives_hf_greedy_tokens_and_never_recompiles_after_warm_
         calls += 1
         return run_decode(*args)
 
-    engine.runner._run_decode = counted
+    monkeypatch.setattr(engine.runner, "_run_decode", counted)
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
     params = DecodingParams(max_tokens=20, temperature=0)
     with torch._dynamo.config.patch(error_on_recompile=True):  # 1 row, then 2..8 rows, any width
@@ -209,14 +220,13 @@ def other_weights(model_dir: Path, path: Path) -> Path:
 
 
 def test_a_later_start_of_a_fine_tune_loads_the_compiled_step_and_gives_its_own_hf_tokens(
-    tiny_model_dirs: dict[str, Path], tmp_path: Path
+    tiny_model_dirs: dict[str, Path], first_start: Engine, tmp_path: Path
 ) -> None:
     """The graphs take the weights as inputs: a later start of another model of the same
     architecture, in another folder, loads the entry and answers with its own weights."""
     model_dir = tiny_model_dirs["gemma3"]
     fine_tune = other_weights(model_dir, tmp_path / "fine-tune")
-    first = compiled_engine(model_dir, compile_cache=tmp_path / "cache")
-    compiled = first.runner.compiled_decode
+    compiled = first_start.runner.compiled_decode
     assert compiled is not None and compiled.source == "compiled"
     assert compiled.directory is not None
     names = sorted(p.name for p in compiled.directory.iterdir())
@@ -230,7 +240,7 @@ def test_a_later_start_of_a_fine_tune_loads_the_compiled_step_and_gives_its_own_
             "-c",
             LATER_START,
             str(fine_tune),
-            str(tmp_path / "cache"),
+            str(compiled.directory.parent),
             str(torch.get_num_threads()),
         ],
         capture_output=True,
@@ -246,14 +256,17 @@ def test_a_later_start_of_a_fine_tune_loads_the_compiled_step_and_gives_its_own_
 
 def test_an_unreadable_cache_entry_is_compiled_again_and_replaced(
     tiny_model_dirs: dict[str, Path],
+    first_start: Engine,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     model_dir = tiny_model_dirs["gemma3"]
-    first = compiled_engine(model_dir, compile_cache=tmp_path).runner.compiled_decode
-    assert first is not None and first.directory is not None
-    (first.directory / "decode-2.bin").write_bytes(b"truncated")
+    compiled = first_start.runner.compiled_decode
+    assert compiled is not None and compiled.directory is not None
+    entry = tmp_path / compiled.directory.name  # a copy of the first start's entry, truncated
+    shutil.copytree(compiled.directory, entry)
+    (entry / "decode-2.bin").write_bytes(b"truncated")
     capsys.readouterr()
     with caplog.at_level(logging.INFO, logger="server.model.compiled_decode"):
         again = compiled_engine(model_dir, compile_cache=tmp_path)
@@ -263,7 +276,8 @@ def test_an_unreadable_cache_entry_is_compiled_again_and_replaced(
     assert "Compiling decode step" in bar and "2/2" in bar
     assert again.runner.compiled_decode is not None
     assert again.runner.compiled_decode.source == "compiled"
-    assert (first.directory / "decode-2.bin").stat().st_size > 1000
+    assert again.runner.compiled_decode.directory == entry
+    assert (entry / "decode-2.bin").stat().st_size > 1000
     assert later_start_tokens(again) == [hf_greedy(model_dir, p, 20) for p in PROMPTS]
 
 
