@@ -155,6 +155,11 @@ def compiled_decoder(
     return CompiledDecode(decoder, cache / cache_key(identity), about)
 
 
+def _partial(path: Path) -> Path:
+    """Where this process writes `path` before renaming it into place."""
+    return path.with_name(f"{path.name}.{os.getpid()}.partial")
+
+
 @contextlib.contextmanager
 def entry_lock(directory: Path) -> Iterator[None]:
     """Hold an exclusive lock on a cache entry (a file beside it); the OS releases it if the
@@ -301,14 +306,13 @@ class CompiledDecode:
             # each file written aside and renamed into place: a process loading the entry at the
             # same time (a second server, a test worker) never reads half a graph
             for graph, path in zip(self.graphs, self._paths(), strict=True):
-                partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-                graph.save_compiled_function(str(partial))
-                partial.replace(path)
+                graph.save_compiled_function(str(_partial(path)))
+                _partial(path).replace(path)
             (self.directory / "identity.txt").write_text(self.about)
         except Exception as error:  # a read-only cache, a graph this torch cannot serialise
             # (torch 2.11's own errors are not OSErrors): serve anyway, compile again next time
             log.warning("compiled decode step not saved to %s: %s", self.directory, error)
             for path in self._paths():  # no half-written entry for the next start to trip on
-                with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
-                    path.with_name(f"{path.name}.{os.getpid()}.partial").unlink(missing_ok=True)
+                for leftover in (path, _partial(path)):
+                    with contextlib.suppress(OSError):
+                        leftover.unlink(missing_ok=True)
