@@ -15,6 +15,14 @@ if TEST_DEVICE_NAME == "cpu":
     # anything imports triton (torch and transformers may, while they load).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n N`, the README's test command) each worker gets its share of the cores,
+# and so does every process it starts (servers, clients, references): torch's threads of two
+# workers on two cores spin against each other (3x slower), and so would a server's.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS_PER_WORKER = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS_PER_WORKER))
+
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,12 +38,10 @@ from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
 from server.metrics import Metrics
 from server.model.runner import ModelRunner
+from tests.server_pool import PooledServer, close_pool, open_pool, pooled_server
 from tests.tiny_models import build_tiny_model
 
-# Under pytest-xdist (`-n N`, the README's test command) each worker gets its share of the cores:
-# torch's threads of two workers on two cores would spin against each other (3x slower).
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+torch.set_num_threads(THREADS_PER_WORKER)
 TEST_DEVICE = torch.device(TEST_DEVICE_NAME)
 
 
@@ -55,6 +61,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cpu_only") is not None:
             item.add_marker(skip)
+
+
+# The run's shared live servers (tests/server_pool.py): the process that begins the run opens
+# the pool, xdist's workers inherit it, and its end stops every server in it.
+_POOL_OWNED: list[Path] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if (folder := open_pool()) is not None:
+        _POOL_OWNED.append(folder)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _POOL_OWNED:
+        close_pool(_POOL_OWNED.pop())
+
+
+@pytest.fixture(scope="session")
+def default_server() -> PooledServer:
+    """`beamline serve` of the default model, shared by the whole run."""
+    return pooled_server("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_server() -> PooledServer:
+    """`beamline serve` of a tiny random Gemma 3 named gemma-3-270m, shared by the whole run."""
+    return pooled_server("tiny")
 
 
 # Clients the client suite ran (tests/clients/), with their versions, from the tests' reports:

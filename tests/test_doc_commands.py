@@ -13,12 +13,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from benchmarks.launch import launched_beamline
 from tests.doc_commands import (
     COMMAND_LANGUAGES,
     KINDS,
@@ -27,7 +25,7 @@ from tests.doc_commands import (
     all_markers,
     command_blocks,
 )
-from tests.tiny_models import build_tiny_model
+from tests.server_pool import PooledServer
 
 BLOCKS = command_blocks()
 RUN = [b for b in BLOCKS if b.kind == "run"]
@@ -100,16 +98,10 @@ def test_serve_commands_are_accepted_by_the_parser(block: Block) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`beamline serve` of a tiny random Gemma 3 named like the default model; its address."""
-    root = tmp_path_factory.mktemp("doc_commands")
-    model = build_tiny_model(root / "gemma3", "gemma3")
-    args = ["--served-model-name", "gemma-3-270m", "--grammar-compile-timeout", "60"]
-    with launched_beamline(str(model), root / "server.log", extra_args=args, timeout_s=300) as (
-        url,
-        _ready_s,
-    ):
-        yield url.removeprefix("http://")
+def served(tiny_server: PooledServer) -> str:
+    """The run's `beamline serve` of a tiny random Gemma 3 named like the default model; its
+    address."""
+    return tiny_server.url.removeprefix("http://")
 
 
 def pointed_at(code: str, address: str) -> str:

@@ -1,5 +1,6 @@
-"""Structured outputs end on the default model (Gemma 3 270M): the docs' own examples, and a plain
-pydantic model as `parse()` and instructor's JSON_SCHEMA mode send it, unbounded numbers and all.
+"""Structured outputs end on the default model (Gemma 3 270M as `beamline serve` serves it): the
+docs' own examples, and a plain pydantic model as `parse()` and instructor's JSON_SCHEMA mode send
+it, unbounded numbers and all.
 
 Before objects were closed and numbers bounded (decoding/json_schemas.py), the "every beam
 valid" example wrote `"population": 1000000000000...` on every beam until the context was full,
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -18,11 +19,8 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from server.api.app import create_app
-from server.api.serving import ServingContext
 from server.api.tools import MAX_PARALLEL_CALLS
-from server.model.loader import resolve_model_dir
-from tests.conftest import make_engine, serving_context
+from tests.server_pool import PooledServer
 
 pytestmark = pytest.mark.default_model
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "structured-outputs.md"
@@ -51,20 +49,10 @@ def guide_examples() -> list[dict]:
     return bodies
 
 
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[ServingContext]:
-    model = resolve_model_dir(None)
-    engine = make_engine(model, num_blocks=512, block_size=16)
-    # a loaded 2-core machine can take longer than the 10 s default to compile Gemma's grammars
-    c = serving_context(engine, name="gemma-3-270m", grammar_compile_timeout=60.0)
-    yield c
-    c.engine.shutdown()
-
-
 @pytest.fixture
-async def client(ctx: ServingContext) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
-    async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=600) as c:
+async def client(default_server: PooledServer) -> AsyncIterator[httpx.AsyncClient]:
+    """The guide's commands go to `beamline serve`: the run's shared server of the default model."""
+    async with httpx.AsyncClient(base_url=default_server.url, timeout=600) as c:
         yield c
 
 

@@ -1,9 +1,9 @@
 """The client suite's live server, the clients' venvs, and the record of each client's version.
 
-One `python -m server.cli serve` on the default model (started as users start it, on a free
-loopback port) serves every test of this package; its log is kept (BEAMLINE_TEST_ARTIFACTS, else
-pytest's temporary folder) and its tail is attached to any failing test's report. Clients whose
-pins fight ours run in their own venv (tests/client_venv.sh), passed in as
+The run's shared `beamline serve` of the default model (tests/server_pool.py: started as users
+start it, on a free loopback port) serves every test of this package; its log is kept
+(BEAMLINE_TEST_ARTIFACTS/servers) and its tail is attached to any failing test's report. Clients
+whose pins fight ours run in their own venv (tests/client_venv.sh), passed in as
 BEAMLINE_<CLIENT>_PYTHON; without it their test skips, except under CI=true where it fails.
 """
 
@@ -15,13 +15,12 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks.launch import first_model_id, launched_beamline
+from tests.server_pool import PooledServer
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # Clients the suite has run, with their versions: each test's report carries them to pytest's
@@ -29,46 +28,21 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CLIENT_VERSIONS: dict[str, str] = {}
 
 
-@dataclass(frozen=True)
-class Served:
-    """The live server: base URL (no /v1), the served model id, its log and model folder."""
-
-    url: str
-    model: str
-    log: Path
-    model_dir: Path
-
+# The live server's record (url, served model id, log, model folder).
+Served = PooledServer
 
 # The live server while it runs: a failing test's report gets its log's tail.
 LIVE: list[Served] = []
 
 
-def artifacts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = os.environ.get("BEAMLINE_TEST_ARTIFACTS")
-    out = Path(root) / "clients" if root else tmp_path_factory.mktemp("clients")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 @pytest.fixture(scope="package")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """`beamline serve` on the default model, once for the whole client suite."""
-    from server.model.loader import resolve_model_dir
-
-    log = artifacts_dir(tmp_path_factory) / "server.log"
-    # A grammar compile may take longer than the 10 s default on a loaded 2-core machine: a
-    # client's first structured request would then be a 400 grammar_too_complex, not a defect.
-    args = ["--grammar-compile-timeout", "60"]
-    start = time.monotonic()
-    with launched_beamline(None, log, extra_args=args, timeout_s=600) as (url, ready_s):
-        print(f"\nclient suite: beamline healthy in {ready_s:.0f} s at {url} (log: {log})")
-        server = Served(url, first_model_id(url), log, resolve_model_dir(None))
-        LIVE.append(server)
-        try:
-            yield server
-        finally:
-            LIVE.remove(server)
-    print(f"\nclient suite: server up for {time.monotonic() - start:.0f} s in all")
+def served(default_server: PooledServer) -> Iterator[Served]:
+    """The run's shared `beamline serve` of the default model (tests/server_pool.py)."""
+    LIVE.append(default_server)
+    try:
+        yield default_server
+    finally:
+        LIVE.remove(default_server)
 
 
 @pytest.hookimpl(hookwrapper=True)
