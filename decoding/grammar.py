@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -85,6 +84,18 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec.source)
 
 
+def fill_mask_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, index: int) -> None:
+    """The allowed-token bits of `matcher`'s position into row `index` of an int32 CPU bitmask.
+
+    What `llguidance.torch.fill_next_token_bitmask` does; that module is not imported because it
+    compiles a torch function at import time (torch._dynamo and inductor: seconds of every
+    process's start-up, for a function beamline does not use)."""
+    row = bitmask[index]
+    if bitmask.dtype != torch.int32 or not row.is_cpu or not row.is_contiguous():
+        raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+
 class GrammarConstraint:
     """One row's position in a grammar (an llguidance matcher)."""
 
@@ -96,7 +107,7 @@ class GrammarConstraint:
         return bool(self.matcher.is_accepting())
 
     def fill_allowed(self, bitmask: torch.Tensor, index: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, index)
+        fill_mask_row(self.matcher, bitmask, index)
 
     def advance(self, token: int) -> bool:
         return bool(self.matcher.consume_token(token))
@@ -146,7 +157,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0, limits=self.limits)
         if not matcher.is_error():
             bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+            fill_mask_row(matcher, bitmask, 0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return Grammar(spec, matcher)
