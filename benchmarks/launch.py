@@ -117,11 +117,17 @@ def launched_command(
             stop(proc)
 
 
-@contextmanager
-def launched_beamline(
-    model: str | None, log_path: Path, extra_args: Sequence[str] = (), timeout_s: float = 600.0
-) -> Iterator[tuple[str, float]]:
-    """Yield (base_url, seconds to healthy) of a fresh beamline server; output to `log_path`."""
+def start_beamline(
+    model: str | None,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 600.0,
+    own_session: bool = False,
+) -> tuple[subprocess.Popen, str, float]:
+    """Start `beamline serve` on a free loopback port, output to `log_path`, and wait for its
+    /health: (process, base URL, seconds to healthy). A start that fails is stopped and raises
+    LaunchError with the log's last lines. `own_session`: the server leads a process group of its
+    own (what it starts, ranks or an engine process, can be stopped with it)."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd = beamline_command(port, model, extra_args)
@@ -130,14 +136,29 @@ def launched_beamline(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     print(f"launching: {' '.join(cmd)}  (log: {log_path})", file=sys.stderr)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-        try:
-            try:
-                ready = wait_healthy(base_url, timeout_s, proc)
-            except LaunchError as exc:
-                raise LaunchError(
-                    f"{exc}\n--- last lines of {log_path} ---\n{_tail(log_path)}"
-                ) from None
-            yield base_url, ready
-        finally:
-            stop(proc)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env=env,
+            start_new_session=own_session,
+        )
+    try:
+        ready = wait_healthy(base_url, timeout_s, proc)
+    except LaunchError as exc:
+        stop(proc)
+        raise LaunchError(f"{exc}\n--- last lines of {log_path} ---\n{_tail(log_path)}") from None
+    return proc, base_url, ready
+
+
+@contextmanager
+def launched_beamline(
+    model: str | None, log_path: Path, extra_args: Sequence[str] = (), timeout_s: float = 600.0
+) -> Iterator[tuple[str, float]]:
+    """Yield (base_url, seconds to healthy) of a fresh beamline server; output to `log_path`."""
+    proc, base_url, ready = start_beamline(model, log_path, extra_args, timeout_s)
+    try:
+        yield base_url, ready
+    finally:
+        stop(proc)

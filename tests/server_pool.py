@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -30,14 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.launch import (
-    REPO_ROOT,
-    LaunchError,
-    beamline_command,
-    first_model_id,
-    free_port,
-    wait_healthy,
-)
+from benchmarks.launch import first_model_id, start_beamline
 
 POOL_VAR = "BEAMLINE_TEST_SERVER_POOL"
 START_TIMEOUT_S = 900  # a cold start of the default model compiles its decode step first
@@ -132,27 +124,9 @@ def _what_to_serve(name: str, pool: Path) -> tuple[str | None, list[str], Path]:
 
 def _start(name: str, pool: Path) -> PooledServer:
     model, flags, model_dir = _what_to_serve(name, pool)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = log_folder(pool) / f"{name}-server.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            beamline_command(port, model, flags),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            env=env,
-            start_new_session=True,  # its own process group: stopped whole, ranks included
-        )
+    proc, url, ready_s = start_beamline(model, log, flags, START_TIMEOUT_S, own_session=True)
     (pool / f"{name}.pid").write_text(str(proc.pid))
-    try:
-        ready_s = wait_healthy(url, START_TIMEOUT_S, proc)
-    except LaunchError as exc:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        stop_group(proc.pid)
-        raise LaunchError(f"{exc}\n--- last lines of {log} ---\n{tail}") from None
     print(f"\npooled server {name!r}: healthy in {ready_s:.0f} s at {url} (log: {log})")
     return PooledServer(url, first_model_id(url), log, model_dir)
 

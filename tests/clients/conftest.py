@@ -28,15 +28,12 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CLIENT_VERSIONS: dict[str, str] = {}
 
 
-# The live server's record (url, served model id, log, model folder).
-Served = PooledServer
-
 # The live server while it runs: a failing test's report gets its log's tail.
-LIVE: list[Served] = []
+LIVE: list[PooledServer] = []
 
 
 @pytest.fixture(scope="package")
-def served(default_server: PooledServer) -> Iterator[Served]:
+def served(default_server: PooledServer) -> Iterator[PooledServer]:
     """The run's shared `beamline serve` of the default model (tests/server_pool.py)."""
     LIVE.append(default_server)
     try:
@@ -85,7 +82,7 @@ def client_python(client: str) -> str:
 
 
 def run_client_script(
-    python: str, script: str, served: Served, timeout_s: float = 600
+    python: str, script: str, served: PooledServer, timeout_s: float = 600
 ) -> dict[str, Any]:
     """Run scripts/<script> under a client's venv against the server; its JSON report.
 

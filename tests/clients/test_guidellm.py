@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.clients.conftest import Served, client_python, record_version
+from tests.clients.conftest import client_python, record_version
+from tests.server_pool import PooledServer
 
 pytestmark = [pytest.mark.clients, pytest.mark.default_model]
 
@@ -65,7 +66,7 @@ GUIDELLM_BODIES: dict[str, dict[str, Any]] = {
 }
 
 
-def errored_summary(benchmark: dict[str, Any], served: Served, request_format: str) -> str:
+def errored_summary(benchmark: dict[str, Any], served: PooledServer, request_format: str) -> str:
     """The errors guidellm saw, and the server's answer to the body guidellm sends."""
     lines = [
         f"{kind}: {r['info']['error']}"
@@ -87,7 +88,7 @@ def test_guidellm_benchmark_completes_without_errors(
     request: pytest.FixtureRequest, tmp_path: Path, request_format: str, profile: str, requests: int
 ) -> None:
     python = client_python("guidellm")  # skips (fails under CI) before the server starts
-    served: Served = request.getfixturevalue("served")
+    served: PooledServer = request.getfixturevalue("served")
     record_version("guidellm", guidellm_version(python))
     report = tmp_path / "benchmarks.json"
     cmd = [

@@ -12,7 +12,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.clients.conftest import Served, case, client_python, run_client_script
+from tests.clients.conftest import case, client_python, run_client_script
+from tests.server_pool import PooledServer
 
 pytestmark = [pytest.mark.clients, pytest.mark.default_model]
 
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.clients, pytest.mark.default_model]
 @pytest.fixture(scope="module")
 def report(request: pytest.FixtureRequest) -> dict[str, Any]:
     python = client_python("langchain")  # skips (fails under CI) before the server starts
-    served: Served = request.getfixturevalue("served")
+    served: PooledServer = request.getfixturevalue("served")
     return run_client_script(python, "langchain_client.py", served)
 
 

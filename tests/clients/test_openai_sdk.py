@@ -16,7 +16,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.clients.conftest import Served, record_version
+from tests.clients.conftest import record_version
+from tests.server_pool import PooledServer
 
 pytestmark = [pytest.mark.clients, pytest.mark.default_model]
 
@@ -50,7 +51,7 @@ class CityFacts(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def oa(served: Served) -> Iterator[openai.OpenAI]:
+def oa(served: PooledServer) -> Iterator[openai.OpenAI]:
     record_version("openai", openai.__version__)
     with openai.OpenAI(
         base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=300
@@ -65,7 +66,7 @@ def check_weather_args(arguments: str) -> None:
     assert set(args) <= set(WEATHER_PARAMS["properties"]), args
 
 
-def test_completions_stream_equals_non_stream(oa: openai.OpenAI, served: Served) -> None:
+def test_completions_stream_equals_non_stream(oa: openai.OpenAI, served: PooledServer) -> None:
     body: dict[str, Any] = {"model": served.model, "prompt": "The sea is", "max_tokens": 12}
     done = oa.completions.create(**body, temperature=0)
     choice = done.choices[0]
@@ -86,7 +87,7 @@ def test_completions_stream_equals_non_stream(oa: openai.OpenAI, served: Served)
     )
 
 
-def test_chat_stream_equals_non_stream(oa: openai.OpenAI, served: Served) -> None:
+def test_chat_stream_equals_non_stream(oa: openai.OpenAI, served: PooledServer) -> None:
     messages: Any = [{"role": "user", "content": HAIKU}]
     # Under the int8 CPU default a prompt computed in full and one served from the prefix cache
     # may take different greedy paths at a near-tie (docs/guides/tuning.md): a first request puts
@@ -113,7 +114,7 @@ def test_chat_stream_equals_non_stream(oa: openai.OpenAI, served: Served) -> Non
     assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
 
 
-def test_chat_parse_fills_a_pydantic_model(oa: openai.OpenAI, served: Served) -> None:
+def test_chat_parse_fills_a_pydantic_model(oa: openai.OpenAI, served: PooledServer) -> None:
     done = oa.chat.completions.parse(
         model=served.model,
         messages=[{"role": "user", "content": FACTS}],
@@ -131,7 +132,7 @@ def test_chat_parse_fills_a_pydantic_model(oa: openai.OpenAI, served: Served) ->
     "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
 def test_chat_forced_tool_call_and_its_stream(
-    oa: openai.OpenAI, served: Served, tool_choice: Any
+    oa: openai.OpenAI, served: PooledServer, tool_choice: Any
 ) -> None:
     """One call (`parallel_tool_calls: false`; with parallel calls allowed, the 270M model
     repeats its call up to the server's cap of 8 under "required")."""
@@ -160,7 +161,7 @@ def test_chat_forced_tool_call_and_its_stream(
     assert deltas[-1].finish_reason == "tool_calls"
 
 
-def test_responses_create_text_equals_chat(oa: openai.OpenAI, served: Served) -> None:
+def test_responses_create_text_equals_chat(oa: openai.OpenAI, served: PooledServer) -> None:
     """The Responses API runs the chat path: same prompt tokens, so the same greedy text."""
     chat = oa.chat.completions.create(
         model=served.model,
@@ -192,7 +193,7 @@ def test_responses_create_text_equals_chat(oa: openai.OpenAI, served: Served) ->
     assert events[-1].type == f"response.{response.status}"
 
 
-def test_responses_forced_function_call(oa: openai.OpenAI, served: Served) -> None:
+def test_responses_forced_function_call(oa: openai.OpenAI, served: PooledServer) -> None:
     response = oa.responses.create(
         model=served.model,
         input="What is the weather in Paris?",
@@ -215,7 +216,7 @@ def test_responses_forced_function_call(oa: openai.OpenAI, served: Served) -> No
     check_weather_args(calls[0].arguments)
 
 
-def test_responses_json_schema_and_parse(oa: openai.OpenAI, served: Served) -> None:
+def test_responses_json_schema_and_parse(oa: openai.OpenAI, served: PooledServer) -> None:
     schema = {**CityFacts.model_json_schema(), "additionalProperties": False}
     response = oa.responses.create(
         model=served.model,
@@ -239,7 +240,7 @@ def test_responses_json_schema_and_parse(oa: openai.OpenAI, served: Served) -> N
     assert parsed.output_text == response.output_text  # the SDK sends the same strict schema
 
 
-def test_responses_stream_get_final_response(oa: openai.OpenAI, served: Served) -> None:
+def test_responses_stream_get_final_response(oa: openai.OpenAI, served: PooledServer) -> None:
     with oa.responses.stream(
         model=served.model,
         input=FACTS,
