@@ -2,11 +2,11 @@
 adapters resident (random peft adapters of the served model, every projection targeted), the same
 closed-loop load twice per round: every request on the base model, then the requests spread over
 the N adapters (request i uses adapter i mod N); rounds interleaved. Steps of base rows run the
-server's compiled decode step where that is the default (it holds the base model alone), steps
-with an adapter row run eagerly with the deltas, so the ratio of the two is what the adapters cost
-a step: their delta GEMMs and the eager step. With `--plain`, the server without LoRA (its own
-default) runs the same load too: against the LoRA server's base load, what merely turning LoRA on
-costs.
+server's compiled decode step where that is the default (traced with no adapter step), steps with
+an adapter row its compiled adapter step (the deltas inside the graph; eager on CUDA, where the
+graphs hold the base model), so the ratio of the two is what the adapters cost a step. With
+`--plain`, the server without LoRA (its own default) runs the same load too: against the LoRA
+server's base load, what merely turning LoRA on costs.
 
 Speculation and prefix caching are off in every server here (`--num-speculative-tokens 0
 --no-enable-prefix-caching`): with them, the adapters' different text would change how many

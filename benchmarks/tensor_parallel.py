@@ -1,12 +1,15 @@
 """`python -m benchmarks.tensor_parallel`: what splitting the model across ranks costs per step.
 
-Measured, on this machine: for each tensor-parallel size (1 and 2 by default) the engine is built
-in this process as `beamline serve` builds it (this process is the driver, rank 0; the others are
-the processes it starts), R rows of greedy requests are prefilled, then their decode steps timed
-whole; inside each step the driver's broadcast of the step's inputs is timed on its own (encoding
-and the broadcasts, as every follower receives them). On a 2-core CPU two ranks are expected to
-be slower than one (each rank gets one core, and gloo's sums cross processes): the point is the
-cost, in ms, of what tensor parallelism adds per step. On a one-GPU machine it cannot be measured.
+Measured, on this machine: for each tensor-parallel size (1 and 2 by default), decode steps eager
+and compiled (`--compile off,on`: torch.compile's decode step on every rank, its all-reduces
+inside the graph), the engine is built in this process as `beamline serve` builds it (this process
+is the driver, rank 0; the others are the processes it starts), R rows of greedy requests are
+prefilled, then their decode steps timed whole; inside each step the driver's broadcast of the
+step's inputs is timed on its own (encoding and the broadcasts, as every follower receives them),
+and the steps whose forward went through the driver's compiled graph are counted. On a 2-core CPU
+two ranks are expected to be slower than one (each rank gets one core, and gloo's sums cross
+processes): the point is the cost, in ms, of what tensor parallelism adds per step. On a one-GPU
+machine it cannot be measured.
 
 Computed, for a model shape (Llama-3-8B by default) at `--volume-rows` rows and bfloat16
 activations: the bytes a decode step moves between N ranks, from the layer shapes alone
@@ -15,6 +18,7 @@ mode), bf16 on CUDA (`--device cuda`: rank r on cuda:r, over NCCL).
 
     python -m benchmarks.tensor_parallel                     # default model, 1 and 16 rows
     python -m benchmarks.tensor_parallel --model DIR --rows 1,4 --steps 16
+    python -m benchmarks.tensor_parallel --sizes 2 --compile off,on   # compiled against eager
 """
 
 from __future__ import annotations
@@ -74,15 +78,26 @@ def step_volume(
 @dataclass
 class Measured:
     ranks: int
+    compiled: bool  # torch_compile on: the decode step compiled on every rank
     rows: int
     steps: int
     step_ms_p50: float
     broadcast_ms_p50: float
     broadcast_share: float  # of the step
+    compiled_steps: int = 0  # timed steps whose forward ran the driver's compiled graph
+
+    @property
+    def setup(self) -> str:
+        return f"{self.ranks}_ranks_{'compiled' if self.compiled else 'eager'}"
 
 
 def engine_config(
-    model: str | None, ranks: int, rows: int, steps: int, device: str = "cpu"
+    model: str | None,
+    ranks: int,
+    rows: int,
+    steps: int,
+    device: str = "cpu",
+    compiled: bool = False,
 ) -> ServerConfig:
     max_len = PROMPT_TOKENS + steps + 32
     return ServerConfig(
@@ -90,6 +105,7 @@ def engine_config(
         device=device,
         dtype="float32" if device == "cpu" else "bfloat16",  # the CPU's exact mode; CUDA's own
         linear_layout="native",  # the same layout on every rank and at every size
+        torch_compile=compiled,
         tensor_parallel_size=ranks,
         num_speculative_tokens=0,
         enable_prefix_caching=False,
@@ -116,6 +132,23 @@ def timed_broadcast(loaded: LoadedEngine, seconds: list[float]) -> None:
     steps.step = timed  # type: ignore[method-assign]
 
 
+def counted_compiled_steps(loaded: LoadedEngine, calls: list[int]) -> None:
+    """Count the driver's decode forwards that ran its compiled graph (its guards accepted the
+    step: a refused step runs eagerly and counts as a fallback, not here)."""
+    compiled = loaded.runner.compiled_decode
+    if compiled is None:
+        return
+    run = loaded.runner._run_decode
+
+    def counted(*args: object) -> object:
+        before = compiled.fallbacks
+        out = run(*args)  # type: ignore[operator]
+        calls.append(int(compiled.fallbacks == before))
+        return out
+
+    loaded.runner._run_decode = counted  # type: ignore[assignment]
+
+
 def measure(loaded: LoadedEngine, rows: int, steps: int, warmup: int = 3) -> Measured:
     engine = loaded.engine
     outputs: deque[object] = deque(maxlen=1024)
@@ -131,6 +164,8 @@ def measure(loaded: LoadedEngine, rows: int, steps: int, warmup: int = 3) -> Mea
         engine.step()
     broadcast: list[float] = []
     timed_broadcast(loaded, broadcast)
+    compiled_calls: list[int] = []
+    counted_compiled_steps(loaded, compiled_calls)
     step_ms = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -143,28 +178,47 @@ def measure(loaded: LoadedEngine, rows: int, steps: int, warmup: int = 3) -> Mea
     step = statistics.median(step_ms)
     sent = statistics.median(broadcast) * 1e3 if broadcast else 0.0
     return Measured(
-        loaded.runner.tp.size if loaded.runner.tp else 1, rows, steps, step, sent, sent / step
+        loaded.runner.tp.size if loaded.runner.tp else 1,
+        loaded.runner.compiled_decode is not None,
+        rows,
+        steps,
+        step,
+        sent,
+        sent / step,
+        sum(compiled_calls[:steps]),
     )
 
 
 def run(args: argparse.Namespace) -> dict:
     sizes = [int(s) for s in args.sizes.split(",")]
+    compiles = [c == "on" for c in args.compile.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     measured: list[Measured] = []
     for ranks in sizes:
-        loaded = load_engine(engine_config(args.model, ranks, max(rows), args.steps, args.device))
-        try:
-            loaded.runner.warm_up()
-            for r in rows:
-                measured.append(measure(loaded, r, args.steps))
-                print(json.dumps(asdict(measured[-1])), flush=True)
-        finally:
-            loaded.close()
-    by = {(m.ranks, m.rows): m for m in measured}
+        for compiled in compiles:
+            config = engine_config(args.model, ranks, max(rows), args.steps, args.device, compiled)
+            loaded = load_engine(config)
+            try:
+                loaded.runner.warm_up()
+                for r in rows:
+                    measured.append(measure(loaded, r, args.steps))
+                    print(json.dumps(asdict(measured[-1])), flush=True)
+            finally:
+                loaded.close()
+    by = {(m.setup, m.rows): m for m in measured}
+    first = measured[0].setup
     ratios = {
-        f"{ranks}_ranks_{r}_rows": by[(ranks, r)].step_ms_p50 / by[(sizes[0], r)].step_ms_p50
-        for ranks in sizes[1:]
+        f"{setup}_{r}_rows": by[(setup, r)].step_ms_p50 / by[(first, r)].step_ms_p50
+        for setup in dict.fromkeys(m.setup for m in measured)
+        if setup != first
         for r in rows
+    }
+    compiled_vs_eager = {
+        f"{ranks}_ranks_{r}_rows": by[(f"{ranks}_ranks_compiled", r)].step_ms_p50
+        / by[(f"{ranks}_ranks_eager", r)].step_ms_p50
+        for ranks in sizes
+        for r in rows
+        if len(compiles) == 2
     }
     hidden, layers, vocab = SHAPES[args.shape]
     volumes = [
@@ -178,7 +232,8 @@ def run(args: argparse.Namespace) -> dict:
         "machine": machine_info(),
         "model": args.model or "gemma-3-270m (default)",
         "measured": [asdict(m) for m in measured],
-        "step_time_ratio_vs_first_size": ratios,
+        "step_time_ratio_vs_first_setup": ratios,
+        "step_time_compiled_vs_eager": compiled_vs_eager,
         "volume": {
             "shape": args.shape,
             "rows": args.volume_rows,
@@ -192,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF directory, .gguf or hub id (default: Gemma 3 270M)")
     p.add_argument("--sizes", default="1,2", help="tensor-parallel sizes, the first the baseline")
+    p.add_argument(
+        "--compile",
+        default="off,on",
+        choices=["off", "on", "off,on", "on,off"],
+        help="decode steps eager (off), compiled (on) or both, at every size",
+    )
     p.add_argument("--device", default="cpu", help="cpu (gloo), or cuda: rank r on cuda:r (NCCL)")
     p.add_argument("--rows", default="1,16", help="rows per measured step")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per row count")
@@ -208,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
-    for name, ratio in result["step_time_ratio_vs_first_size"].items():
-        print(f"{name}: {ratio:.2f}x the step time of {args.sizes.split(',')[0]} rank(s)")
+    first = result["measured"][0]
+    baseline = f"{first['ranks']} rank(s), {'compiled' if first['compiled'] else 'eager'}"
+    for name, ratio in result["step_time_ratio_vs_first_setup"].items():
+        print(f"{name}: {ratio:.2f}x the step time of {baseline}")
+    for name, ratio in result["step_time_compiled_vs_eager"].items():
+        print(f"{name}: compiled {ratio:.2f}x the step time of eager")
     for v in result["volume"]["per_step"]:
         print(f"{args.shape}, {v['rows']} rows, {v['ranks']} ranks: {v['total_mib']} MiB/step")
     return 0

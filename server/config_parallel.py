@@ -14,7 +14,8 @@ class ParallelSettings(BaseModel):
         le=64,
         description="split the model across this many devices (CUDA: cuda:0..N-1 over NCCL; "
         "the CPU: N processes over gloo), a rank each, started by the engine process (which "
-        "is then always on); decode steps run eagerly; 1 = one device",
+        "is then always on); torch_compile compiles each rank's decode step with its "
+        "collectives, CUDA graphs stay off; 1 = one device",
     )
 
     nnodes: int = Field(

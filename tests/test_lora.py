@@ -6,6 +6,7 @@ adapter's meaning; KV blocks all return; hostile adapter files are refused with 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from transformers import AutoTokenizer
 from decoding import DecodingParams
 from server.engine.adapters import AdapterRegistry
 from server.engine.engine import Engine
+from server.model.loader import default_cache_dir
 from server.model.lora import modules as lora
 from server.model.lora.files import AdapterError, read_adapter
 from server.model.lora.modules import LoRALinear, LoRAStep
@@ -405,13 +407,16 @@ def test_the_triton_kernel_path_serves_the_same_tokens(
         assert result.token_ids == expected, adapter
 
 
-def test_a_lora_server_runs_its_base_steps_through_the_compiled_decode_step(
-    llama_dir: Path, adapter_dirs: dict[tuple[str, str], Path], tmp_path: Path
+def test_a_lora_server_runs_base_and_adapter_steps_through_their_compiled_graphs(
+    llama_dir: Path, adapter_dirs: dict[tuple[str, str], Path]
 ) -> None:
-    """LoRA keeps torch.compile: the decode step is traced before any adapter is installed, so
-    steps of base rows run it (as fast as a server without LoRA) and steps with an adapter row
-    run eagerly with the deltas; the tokens are generate()'s of the base and the merged model."""
-    path = adapter_dirs["llama", "qv8"]
+    """LoRA keeps torch.compile: the base decode step is traced before any adapter is installed,
+    the adapter step with a step's LoRA masks set (every row's slot a graph input, the deltas
+    inside the graph). Steps of base rows run the first (as fast as a server without LoRA), steps
+    with an adapter row the second, rows of two adapters and the base mixed; the tokens are
+    generate()'s of the base and the merged models. The graphs come from the compile cache
+    that serving uses (compiled on a first run, loaded after)."""
+    paths = {name: adapter_dirs["llama", name] for name in ("qv8", "mlp16")}
     runner = ModelRunner(
         llama_dir,
         device=TEST_DEVICE,
@@ -420,34 +425,46 @@ def test_a_lora_server_runs_its_base_steps_through_the_compiled_decode_step(
         num_blocks=256,
         max_loras=2,
         compile_decode=True,
-        compile_cache=tmp_path,
+        compile_cache=default_cache_dir() / "compiled",
     )
     runner.warm_up()
-    assert runner.compiled_decode is not None and runner.compiled_decode.source == "compiled"
+    steps = runner.compiled_decode
+    assert steps is not None and steps.adapters is not None
+    graphs = {"base": steps.base, "adapters": steps.adapters}
+    assert all(g.source in ("compiled", "loaded") for g in graphs.values())
+    assert runner.lora is not None and runner.lora.state.step is None  # the warm-up's is gone
     engine = Engine(runner, AutoTokenizer.from_pretrained(llama_dir))
-    engine.load_adapter("qv8", str(path))
-    compiled_rows: list[int] = []
-    compiled = runner._run_decode
+    for name, path in paths.items():
+        engine.load_adapter(name, str(path))
+    rows: dict[str, list[int]] = {"base": [], "adapters": []}
 
-    def counting(input_ids, position_ids, ctx):  # type: ignore[no-untyped-def]
-        compiled_rows.append(input_ids.shape[1])
-        return compiled(input_ids, position_ids, ctx)
+    def counted(kind: str, compiled: Any) -> Any:
+        def run(input_ids, position_ids, ctx):  # type: ignore[no-untyped-def]
+            rows[kind].append(input_ids.shape[1])
+            return compiled(input_ids, position_ids, ctx)
 
-    runner._run_decode = counting  # type: ignore[method-assign]
+        return run
+
+    steps.base = counted("base", steps.base)
+    steps.adapters = counted("adapters", steps.adapters)
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
     params = DecodingParams(max_tokens=8, temperature=0, ignore_eos=True)
     base_only = run(engine, [(ids, None) for ids in prompts], params)
-    assert len(compiled_rows) >= 7  # every decode step of the base rows
-    before = len(compiled_rows)
-    mixed = run(engine, [(prompts[0], "qv8"), (prompts[1], None)], params)
-    assert len(compiled_rows) == before  # an adapter row in every step: eager
-    again = run(engine, [(ids, None) for ids in prompts], params)  # the adapter now in a slot
-    assert len(compiled_rows) >= before + 7  # the compiled step still fits
-    base, merged = hf_reference(llama_dir)[0], merged_model(llama_dir, path)
+    assert len(rows["base"]) >= 7 and not rows["adapters"]  # every decode step of base rows
+    before = len(rows["base"])
+    jobs = [(prompts[0], "qv8"), (prompts[1], None), (prompts[2], "mlp16")]
+    mixed = run(engine, jobs, params)
+    assert len(rows["base"]) == before  # an adapter row in every step: the adapter graph
+    assert len(rows["adapters"]) >= 7 and 3 in rows["adapters"]
+    again = run(engine, [(ids, None) for ids in prompts], params)  # the adapters now in slots
+    assert len(rows["base"]) >= before + 7  # the base graph still fits
+    assert all(g.fallbacks == 0 for g in graphs.values())  # their guards held every step
+    base = hf_reference(llama_dir)[0]
     assert [g.token_ids for g in base_only] == [hf_greedy(base, ids, 8) for ids in prompts]
     assert [g.token_ids for g in again] == [g.token_ids for g in base_only]
-    assert mixed[0].token_ids == hf_greedy(merged, prompts[0], 8)
-    assert mixed[1].token_ids == hf_greedy(base, prompts[1], 8)
+    for (ids, adapter), result in zip(jobs, mixed):
+        reference = merged_model(llama_dir, paths[adapter]) if adapter else base
+        assert result.token_ids == hf_greedy(reference, ids, 8), adapter
     assert engine.pool.num_free == engine.pool.num_blocks
 
 

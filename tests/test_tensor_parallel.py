@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo): a model split over 2 (and 4) ranks answers what the same
-model on one rank answers, for every strategy, mixed batches, prompt scoring, speculation,
-preemption and LoRA adapters (tokens exact; logprobs within LOGPROB_TOLERANCE: the sums over the
-ranks add in another order); the default model split in 2 gives Hugging Face's greedy tokens; a
-dead rank ends the engine with no hang; impossible sizes are refused before loading."""
+model on one rank answers (2 ranks with their decode steps compiled), for every strategy, mixed
+batches, prompt scoring, speculation, preemption and LoRA adapters (tokens exact; logprobs within
+LOGPROB_TOLERANCE: the sums over the ranks add in another order); the default model split in 2
+gives Hugging Face's greedy tokens; a dead rank ends the engine with no hang; impossible sizes are
+refused before loading."""
 
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ def gemma_dir(tiny_model_dirs: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def pair(llama_dir: Path, adapters: dict[str, Path]) -> Iterator[dict[int, ServingContext]]:
-    """The tiny Llama on one rank and on two, with two adapters and a KV pool small enough
-    that the concurrent test preempts."""
+    """The tiny Llama on one rank (eager) and on two (decode steps compiled on each rank, the
+    all-reduces inside the graphs), with two adapters and a KV pool small enough that the
+    concurrent test preempts."""
     modules = [f"{name}={path}" for name, path in adapters.items()]
     built: dict[int, ServingContext] = {}
     try:
@@ -104,6 +106,7 @@ def pair(llama_dir: Path, adapters: dict[str, Path]) -> Iterator[dict[int, Servi
                     num_kv_blocks=56,
                     async_scheduling=cuda_defaults,
                     overlap_outputs=cuda_defaults,
+                    torch_compile=tp == 2,
                 )
             )
         yield built

@@ -36,15 +36,19 @@ def restored_threads() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("restored_threads")
-def test_the_benchmark_times_both_sizes_and_the_broadcast(llama_dir: Path, tmp_path: Path) -> None:
+def test_the_benchmark_times_both_sizes_eager_and_compiled(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     args = ["--model", str(llama_dir), "--rows", "1,2", "--steps", "4", "--out", str(out)]
     assert tensor_parallel.main(args) == 0
     result = json.loads(out.read_text())
-    measured = {(m["ranks"], m["rows"]): m for m in result["measured"]}
-    assert set(measured) == {(1, 1), (1, 2), (2, 1), (2, 2)}
-    assert all(m["broadcast_ms_p50"] == 0 for (ranks, _), m in measured.items() if ranks == 1)
-    assert all(m["broadcast_ms_p50"] > 0 for (ranks, _), m in measured.items() if ranks == 2)
-    ratio = result["step_time_ratio_vs_first_size"]["2_ranks_2_rows"]
-    assert ratio == measured[(2, 2)]["step_ms_p50"] / measured[(1, 2)]["step_ms_p50"]
+    measured = {(m["ranks"], m["compiled"], m["rows"]): m for m in result["measured"]}
+    assert set(measured) == {(n, c, r) for n in (1, 2) for c in (False, True) for r in (1, 2)}
+    assert all(m["broadcast_ms_p50"] == 0 for (ranks, _, _), m in measured.items() if ranks == 1)
+    assert all(m["broadcast_ms_p50"] > 0 for (ranks, _, _), m in measured.items() if ranks == 2)
+    # every timed step of a compiled setup ran the compiled graph, two ranks' all-reduces in it
+    assert all(m["compiled_steps"] == (4 if c else 0) for (_, c, _), m in measured.items())
+    ratio = result["step_time_ratio_vs_first_setup"]["2_ranks_eager_2_rows"]
+    assert ratio == measured[(2, False, 2)]["step_ms_p50"] / measured[(1, False, 2)]["step_ms_p50"]
+    versus = result["step_time_compiled_vs_eager"]["2_ranks_1_rows"]
+    assert versus == measured[(2, True, 1)]["step_ms_p50"] / measured[(2, False, 1)]["step_ms_p50"]
     assert [v["ranks"] for v in result["volume"]["per_step"]] == [2, 4, 8]

@@ -186,7 +186,7 @@ def refuse(*args):
 CompiledDecode._compile = refuse
 torch.set_num_threads(int(sys.argv[3]))  # the first start's (part of the key)
 engine = compiled_engine(Path(sys.argv[1]), compile_cache=Path(sys.argv[2]))
-assert engine.runner.compiled_decode.source == "loaded"
+assert engine.runner.compiled_decode.base.source == "loaded"
 for tokens in later_start_tokens(engine):
     print(tokens)
 """
@@ -226,8 +226,9 @@ def test_a_later_start_of_a_fine_tune_loads_the_compiled_step_and_gives_its_own_
     architecture, in another folder, loads the entry and answers with its own weights."""
     model_dir = tiny_model_dirs["gemma3"]
     fine_tune = other_weights(model_dir, tmp_path / "fine-tune")
-    compiled = first_start.runner.compiled_decode
-    assert compiled is not None and compiled.source == "compiled"
+    assert first_start.runner.compiled_decode is not None
+    compiled = first_start.runner.compiled_decode.base
+    assert compiled.source == "compiled"
     assert compiled.directory is not None
     names = sorted(p.name for p in compiled.directory.iterdir())
     assert names == ["decode-1.bin", "decode-2.bin", "identity.txt"]
@@ -262,8 +263,9 @@ def test_an_unreadable_cache_entry_is_compiled_again_and_replaced(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     model_dir = tiny_model_dirs["gemma3"]
-    compiled = first_start.runner.compiled_decode
-    assert compiled is not None and compiled.directory is not None
+    assert first_start.runner.compiled_decode is not None
+    compiled = first_start.runner.compiled_decode.base
+    assert compiled.directory is not None
     entry = tmp_path / compiled.directory.name  # a copy of the first start's entry, truncated
     shutil.copytree(compiled.directory, entry)
     (entry / "decode-2.bin").write_bytes(b"truncated")
@@ -275,8 +277,8 @@ def test_an_unreadable_cache_entry_is_compiled_again_and_replaced(
     bar = capsys.readouterr().err
     assert "Compiling decode step" in bar and "2/2" in bar
     assert again.runner.compiled_decode is not None
-    assert again.runner.compiled_decode.source == "compiled"
-    assert again.runner.compiled_decode.directory == entry
+    assert again.runner.compiled_decode.base.source == "compiled"
+    assert again.runner.compiled_decode.base.directory == entry
     assert (entry / "decode-2.bin").stat().st_size > 1000
     assert later_start_tokens(again) == [hf_greedy(model_dir, p, 20) for p in PROMPTS]
 

@@ -66,9 +66,9 @@ def decode_forward(
 
 def cache_key(identity: dict[str, str]) -> str:
     """A digest of everything the compiled graphs depend on: the caller's `identity` (model,
-    number formats, layouts), the software that traced and built them, beamline's model code (the
-    guards do not check source) and the CPU's instruction set (inductor's kernels are built for
-    it)."""
+    number formats, layouts), the software that traced and built them, beamline's model code (its
+    LoRA and tensor-parallel layers too: the guards do not check source) and the CPU's
+    instruction set (inductor's kernels are built for it)."""
     return hashlib.sha256(key_text(identity).encode()).hexdigest()[:16]
 
 
@@ -84,7 +84,8 @@ def key_text(identity: dict[str, str]) -> str:
     # entry of its own rather than failing the guards and overwriting this one
     parts["torch_threads"] = str(torch.get_num_threads())
     code = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    server = Path(__file__).parent.parent  # the model side and the TP layers the graphs trace
+    for path in sorted([*server.joinpath("model").rglob("*.py"), *server.glob("parallel/*.py")]):
         code.update(path.read_bytes())
     parts["beamline_model_code"] = code.hexdigest()
     return "\n".join(f"{k}={v}" for k, v in sorted(parts.items())) + "\n"
@@ -189,7 +190,7 @@ class CompiledDecode:
         self.graphs: list[Any] = []
         self.jit: Callable[..., torch.Tensor] | None = None
         self.source: Source | None = None
-        self._warned = False
+        self.fallbacks = 0  # calls whose inputs the guards refused: run eagerly instead
 
     def prepare(self, example: ExampleInputs) -> Source:
         """Load both graphs from the cache directory or compile (and save) them. One process at
@@ -251,9 +252,10 @@ class CompiledDecode:
         args = (self.decoder, input_ids, position_ids, ctx)
         if graph.guard_check(*args):
             return graph(*args)
-        if not self._warned:  # never expected: the cache key covers what the guards check
-            self._warned = True
-            log.warning("the compiled decode step does not fit this step; running it eagerly")
+        self.fallbacks += 1
+        if self.fallbacks == 1:  # never expected: the cache key covers what the guards check
+            why = _misfit(graph, self.decoder, args[1:])
+            log.warning("the compiled decode step does not fit this step (%s): runs eagerly", why)
         return decode_forward(*args)
 
     def _compile(self, inputs: tuple[torch.Tensor, torch.Tensor, DecodeStep]) -> Any:

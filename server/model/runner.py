@@ -13,7 +13,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from transformers import PreTrainedTokenizerBase
 
 from decoding.transfer import to_device
 from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
-from server.model.compiled_decode import CompiledDecode, compiled_decoder, decode_forward
+from server.model.compiled_decode import decode_forward
+from server.model.compiled_steps import CompiledSteps
 from server.model.cuda_graphs import DecodeGraphs
 from server.model.devices import check_runner_options, pick_attention_backend
 from server.model.kv_budget import (
@@ -88,11 +88,9 @@ class ModelRunner:
         tp: TPGroup | None = None,
     ) -> None:
         check_runner_options(compile_decode, quantization, device)  # before minutes of loading
-        if tp and (compile_decode or cuda_graphs):  # the collectives are not traced
-            log.warning(
-                "tensor parallelism is on: decode steps run eagerly (no compile, no graphs)"
-            )
-            compile_decode = cuda_graphs = False
+        if tp and cuda_graphs:  # NCCL inside a graph capture is not verified on a GPU yet
+            log.warning("tensor parallelism is on: decode steps run without CUDA graphs")
+            cuda_graphs = False
         self.device = device
         self.dtype = dtype
         self.quantization = quantization
@@ -168,20 +166,24 @@ class ModelRunner:
         # the gather path): it fuses the element-wise glue between the matmuls and drops most of
         # the per-op dispatch cost, about half of a one-row step on the CPU. Shapes are dynamic
         # (rows, context width), so one graph serves every batch size >= 2 and one a single row;
-        # both are kept under `compile_cache` for the next start (compiled_decode.py).
+        # both are kept under `compile_cache` for the next start (compiled_decode.py). With LoRA
+        # slots an adapter step's graphs too, the deltas inside them (compiled_steps.py).
         self.compile_decode = compile_decode
-        self.compiled_decode: CompiledDecode | None = None
+        self.compiled_decode: CompiledSteps | None = None
         if compile_decode:
-            self.compiled_decode = compiled_decoder(
+            self.compiled_decode = CompiledSteps(
                 self.decoder,
                 model_dir,
                 compile_cache,
+                self.lora,
                 device=device.type,
                 dtype=str(dtype),
                 quantization=quantization,
                 linear_layout=self.linear_layout,
                 block_size=str(block_size),
                 lora=f"{max_loras} slots, rank {max_lora_rank}" if max_loras else "none",
+                # each rank's shard is its own graph: its vocabulary range is a constant in it
+                tensor_parallel=f"rank {tp.rank} of {tp.size}" if tp else "none",
             )
         self._run_decode = self.compiled_decode or self._run_decoder
         # the plans, to the other ranks (installs name the projections in this order)
@@ -232,12 +234,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture()
         if self.compiled_decode is not None:
-            started = time.monotonic()
-            source = self.compiled_decode.prepare(self._example_decode)
-            where = self.compiled_decode.directory
-            log.info("decode step %s in %.1f s (%s)", source, time.monotonic() - started, where)
-            for rows in (1, 2):
-                self._run_decode(*self._example_decode(rows))
+            self.compiled_decode.warm_up(self._example_decode)
 
     def _example_decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
         input_ids, position_ids, ctx = scratch_decode(rows, self.block_size, self.device)
@@ -259,8 +256,7 @@ class ModelRunner:
         edit_tokens(input_ids[0])
         position_ids = to_device(positions, self.device, torch.long).unsqueeze(0)
         ctx.kv = self.kv_cache  # the compiled step takes the pools as an input
-        run = self._run_decoder if self.lora and self.lora.in_use else self._run_decode
-        return self._logits(run(input_ids, position_ids, ctx))
+        return self._logits(self._run_decode(input_ids, position_ids, ctx))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -94,7 +94,9 @@ class TPGroup:
             dist.destroy_process_group()
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place (the row-parallel layers' partial outputs)."""
+        """Sum `tensor` over the ranks, in place (the row-parallel layers' partial outputs).
+        Inside the compiled decode step dynamo traces this call as torch's functional all-reduce
+        (a graph op with its wait), so the sums are part of each rank's compiled graph."""
         dist.all_reduce(tensor)
         return tensor
 

@@ -143,7 +143,9 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         step = self.state.step
         stack = self.stack
-        if step is None or not stack.active:
+        # traced, every projection adds its delta (zeros where no slot's adapter targets it):
+        # `active` reads the slots' ranks, Python ints the graph would be specialised on
+        if step is None or not (torch.compiler.is_compiling() or stack.active):
             return y
         flat_x = x.reshape(-1, x.shape[-1])
         flat_y = y.view(-1, y.shape[-1])
@@ -264,6 +266,20 @@ class LoRAModules:
         """An adapter's files checked against this model (lora.files.AdapterError when they do
         not fit); any thread."""
         return load_adapter(name, source, self.targets, self.max_rank)
+
+    def example_step(self, tokens: int) -> LoRAStep:
+        """A step of `tokens` tokens all on slot 0: what the adapter graphs are traced, checked
+        and warmed up with (the weights in the slots are data to them, whatever they hold)."""
+        step = LoRAStep.build(
+            [(0, tokens)],
+            num_slots=self.num_slots,
+            max_rank=self.max_rank,
+            device=self.device,
+            dtype=self.dtype,
+            masked=not self.fused,
+        )
+        assert step is not None
+        return step
 
     @contextlib.contextmanager
     def applied(self, plan: StepPlan) -> Iterator[None]:
