@@ -310,33 +310,47 @@ class FakeCuda:
         yield
 
 
-def test_a_lora_server_replays_the_graphs_for_steps_of_base_rows_only(
+def test_a_lora_server_replays_base_graphs_for_base_steps_and_adapter_graphs_for_the_rest(
     tiny_model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The graphs are captured before any adapter is installed (the base model alone): steps of
-    base rows replay them, steps with an adapter row run eagerly with the deltas; the tokens are
-    generate()'s of the base model and of the merged one."""
+    """Every bucket has a base graph and an adapter graph, captured before any adapter is
+    installed (the adapter graph with its rows' slots and masks read from static buffers): steps
+    of base rows replay the first, steps with an adapter row the second, two adapters and a base
+    row in one step (a padding row on no adapter); the tokens are generate()'s of the base model
+    and of the merged ones."""
     model_dir = tiny_model_dirs["llama"]
-    adapter = make_adapter(model_dir, tmp_path / "qv", r=4, targets=["q_proj", "v_proj"], scale=30)
+    adapters = {
+        "qv": make_adapter(model_dir, tmp_path / "qv", r=4, targets=["q_proj", "v_proj"], scale=30),
+        "mlp": make_adapter(model_dir, tmp_path / "mlp", r=8, targets=["down_proj"], scale=30),
+    }
     runner = graph_runner(model_dir, max_loras=2)
     graphs = runner.graphs
-    assert graphs is not None and graphs.graphs
-    replays: list[int] = []
-    for rows, (graph, _) in graphs.graphs.items():
-        replay = graph.replay
-        graph.replay = lambda rows=rows, replay=replay: (replays.append(rows), replay())[1]  # type: ignore[method-assign]
+    assert graphs is not None and sorted(graphs.adapter_graphs) == sorted(graphs.graphs)
+    replays: dict[str, list[int]] = {"base": [], "adapters": []}
+    for kind, captured in (("base", graphs.graphs), ("adapters", graphs.adapter_graphs)):
+        for rows, (graph, _) in captured.items():
+            replay = graph.replay
+            graph.replay = lambda kind=kind, rows=rows, replay=replay: (  # type: ignore[method-assign]
+                replays[kind].append(rows),
+                replay(),
+            )[1]
     engine = Engine(runner, AutoTokenizer.from_pretrained(model_dir))
-    engine.load_adapter("qv", str(adapter))
-    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[:2]]
+    for name, path in adapters.items():
+        engine.load_adapter(name, str(path))
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[:3]]
     params = DecodingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with_adapter = submit(engine, "a", prompts[0], params, "qv")
-    base_row = submit(engine, "b", prompts[1], params)
+    jobs = [("a", prompts[0], "qv"), ("b", prompts[1], None), ("c", prompts[2], "mlp")]
+    mixed = [submit(engine, name, ids, params, adapter) for name, ids, adapter in jobs]
     run_to_completion(engine)
-    assert replays == []  # an adapter row in every decode step
+    assert replays["base"] == []  # an adapter row in every decode step
+    assert 4 in replays["adapters"] and len(replays["adapters"]) >= 5  # 3 rows: the 4-row graph
     alone = generate(engine, [prompts[1]], params)[0]
-    assert len(replays) >= 5  # the base row's decode steps, the adapter now in a slot
-    assert alone.token_ids == base_row.token_ids == hf_greedy(model_dir, PROMPTS[1], 6)
-    assert with_adapter.token_ids == merged_greedy(model_dir, adapter, prompts[0], 6)
+    assert len(replays["base"]) >= 5  # the base row's decode steps, the adapters now in slots
+    assert alone.token_ids == mixed[1].token_ids == hf_greedy(model_dir, PROMPTS[1], 6)
+    for (_, ids, adapter), got in zip(jobs, mixed):
+        if adapter is not None:
+            assert got.token_ids == merged_greedy(model_dir, adapters[adapter], ids, 6), adapter
+    assert runner.lora is not None and runner.lora.state.step is None
 
 
 def merged_greedy(model_dir: Path, adapter: Path, ids: list[int], new_tokens: int) -> list[int]:

@@ -9,6 +9,11 @@ reserves before it sizes the pool (kv_budget.py). A step copies its inputs into 
 buffers (rows beyond the step's write their key and value into a scratch block no sequence owns)
 and replays the smallest graph that holds it; its logits are valid until the next replay.
 
+With LoRA slots every bucket has a second graph, captured with an adapter step set whose slots
+(and, off CUDA, masks) are static buffers too: a step with an adapter row copies its rows' slots
+in and replays that one, the deltas inside it; a step of base rows replays the base graph, which
+adds nothing.
+
 On the CPU there is nothing to capture: `EagerGraph` stands in, re-running the captured function
 on the same static buffers, so that everything but the capture itself is tested there (with the
 kernel under TRITON_INTERPRET=1).
@@ -26,6 +31,8 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
 from server.model.attention import PagedStep, padded_tables
+from server.model.lora.modules import LoRAModules, LoRAStep
+from server.step_plan import NO_ADAPTER
 
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, PagedStep], torch.Tensor]
 
@@ -63,9 +70,11 @@ class DecodeGraphs:
         block_size: int,
         scratch_block: int,
         device: torch.device,
+        lora: LoRAModules | None = None,
     ) -> None:
         """`forward(input_ids [1, R], position_ids [1, R], step)` -> logits [R, V]: the decoder
-        and LM head over the static buffers (`step` views them)."""
+        and LM head over the static buffers (`step` views them); `lora`: the model's adapter
+        slots, for the adapter graphs."""
         self.forward = forward
         self.sizes = row_buckets(max_rows)
         self.block_size = block_size
@@ -82,6 +91,9 @@ class DecodeGraphs:
         self.tile_len = torch.ones(rows, dtype=torch.int32, device=device)
         self.tile_pos = torch.zeros(rows, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[Replayable, torch.Tensor]] = {}
+        self.adapter_graphs: dict[int, tuple[Replayable, torch.Tensor]] = {}
+        self.lora = lora
+        self.lora_rows = lora.static_step(rows) if lora is not None else None
         self.memory_pool: _POOL_HANDLE | None = None  # shared by every graph
 
     @property
@@ -128,12 +140,31 @@ class DecodeGraphs:
         side stream."""
         stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         for rows in reversed(self.sizes):
-            fn = self._bound(rows)
-            if stream is not None:
-                self.graphs[rows] = self._capture_cuda(fn, stream)
-            else:
-                graph = EagerGraph(fn)
-                self.graphs[rows] = (graph, graph.output)
+            kinds = [(self.graphs, self._bound(rows))]
+            if self.lora is not None:
+                kinds.append((self.adapter_graphs, self._on_adapters(rows)))
+            for graphs, fn in kinds:
+                if stream is not None:
+                    graphs[rows] = self._capture_cuda(fn, stream)
+                else:
+                    graph = EagerGraph(fn)
+                    graphs[rows] = (graph, graph.output)
+
+    def _on_adapters(self, rows: int) -> Callable[[], torch.Tensor]:
+        """The bucket's forward with its rows' adapters read from the static slots."""
+        lora, static = self.lora, self.lora_rows
+        assert lora is not None and static is not None
+        step = LoRAStep(static.slots[:rows], None if static.mask is None else static.mask[:rows])
+        bound = self._bound(rows)
+
+        def forward() -> torch.Tensor:
+            outer, lora.state.step = lora.state.step, step
+            try:
+                return bound()
+            finally:
+                lora.state.step = outer
+
+        return forward
 
     def _capture_cuda(
         self, fn: Callable[[], torch.Tensor], stream: torch.cuda.Stream
@@ -180,6 +211,21 @@ class DecodeGraphs:
             self.slots[n:rows].fill_(self.scratch_slot)
             self.tile_pos[n:rows].zero_()
             self.tables[n:rows, 0].fill_(self.scratch_slot // bs)
-        graph, output = self.graphs[rows]
+        graphs = self.graphs
+        if self.lora is not None and self.lora.in_use:
+            self._put_adapters(n, rows)
+            graphs = self.adapter_graphs
+        graph, output = graphs[rows]
         graph.replay()
         return output[:n]
+
+    def _put_adapters(self, n: int, rows: int) -> None:
+        """The step's rows' adapter slots (and masks) into the static ones; padding rows none."""
+        assert self.lora is not None and self.lora_rows is not None
+        step, static = self.lora.state.step, self.lora_rows
+        assert step is not None
+        static.slots[:n].copy_(step.slots, non_blocking=True)
+        static.slots[n:rows].fill_(NO_ADAPTER)
+        if static.mask is not None and step.mask is not None:
+            static.mask[:n].copy_(step.mask, non_blocking=True)
+            static.mask[n:rows].zero_()

@@ -149,6 +149,7 @@ class ModelRunner:
                 block_size=block_size,
                 scratch_block=self.num_blocks,
                 device=device,
+                lora=self.lora,
             )
             if graphs
             else None
@@ -281,9 +282,8 @@ class ModelRunner:
             if plan.deferred is not None:
                 edit = functools.partial(put_deferred, plan=plan, row_starts=plan.token_starts())
             decode = plan.decode_only
-            graphs = self.graphs if not (self.lora and self.lora.in_use) else None
-            if decode and graphs is not None and graphs.fits(tables):
-                logits = graphs.run(*decode_inputs(plan, tables), edit)
+            if decode and self.graphs is not None and self.graphs.fits(tables):
+                logits = self.graphs.run(*decode_inputs(plan, tables), edit)
                 return StepOutput(logits, reused=True)  # the next replay overwrites them
             if self.attention_backend != "triton":  # drafts: one decode query row each
                 inputs = decode_inputs(plan, tables) if decode else verify_inputs(plan, tables)

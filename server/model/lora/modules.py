@@ -143,9 +143,7 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         step = self.state.step
         stack = self.stack
-        # traced, every projection adds its delta (zeros where no slot's adapter targets it):
-        # `active` reads the slots' ranks, Python ints the graph would be specialised on
-        if step is None or not (torch.compiler.is_compiling() or stack.active):
+        if step is None or not (recorded() or stack.active):
             return y
         flat_x = x.reshape(-1, x.shape[-1])
         flat_y = y.view(-1, y.shape[-1])
@@ -166,6 +164,16 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"slots={len(self.stack.ranks)}, fused={self.fused}"
+
+
+def recorded() -> bool:
+    """Whether this forward is traced (torch.compile) or captured (a CUDA graph). Every projection
+    then adds its delta, zeros where no slot's adapter targets it: the slots are filled later, as
+    data to the graph, and `LoRAStack.active` reads their ranks, Python ints a trace would be
+    specialised on and a capture would freeze."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def uses_kernel(device: torch.device) -> bool:
@@ -258,8 +266,9 @@ class LoRAModules:
     @property
     def in_use(self) -> bool:
         """Whether the step being run adds any adapter's delta. A step of base rows runs the
-        base model's compiled step and CUDA graphs, traced and captured before any adapter was:
-        `LoRALinear` leaves the base layer's output alone then."""
+        base model's compiled step and CUDA graphs, traced and captured with no adapter step set:
+        `LoRALinear` leaves the base layer's output alone then; a step with an adapter row runs
+        the adapter step's graphs (compiled_steps.py, cuda_graphs.py)."""
         return self.state.step is not None
 
     def read(self, name: str, source: str) -> LoRAAdapter:
@@ -280,6 +289,16 @@ class LoRAModules:
         )
         assert step is not None
         return step
+
+    def static_step(self, tokens: int) -> LoRAStep:
+        """Buffers a captured graph reads each token's adapter from (cuda_graphs.py): every token
+        on no adapter until a step's slots (and masks) are copied in."""
+        slots = torch.full((tokens,), NO_ADAPTER, dtype=torch.int32, device=self.device)
+        columns = self.num_slots * self.max_rank
+        mask = None
+        if not self.fused:
+            mask = torch.zeros(tokens, columns, device=self.device, dtype=self.dtype)
+        return LoRAStep(slots, mask)
 
     @contextlib.contextmanager
     def applied(self, plan: StepPlan) -> Iterator[None]:
