@@ -27,7 +27,9 @@ from tests.reliability_helpers import assert_openai_error, follower_pids, proces
 from tests.tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-STARTUP_S = 120
+# a first start compiles the CPU default's decode step (two graphs; under TP each rank its own,
+# a core each): minutes on a 2-core machine whose other worker runs too, seconds once cached
+STARTUP_S = 360
 # The in-flight requests must outlast the drain checks by a wide margin: 4 rows of 1,000 tokens
 # take seconds on one thread, the checks tens of milliseconds.
 IN_FLIGHT_TOKENS = 1000
