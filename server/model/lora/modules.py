@@ -143,7 +143,10 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         step = self.state.step
         stack = self.stack
-        if step is None or not (recorded() or stack.active):
+        # traced or captured, every projection adds its delta (zeros where no slot's adapter
+        # targets it): `active` reads the slots' ranks, Python ints a trace would specialise on
+        # and a capture would freeze, so the trace never reads it (checked first)
+        if step is None or not (torch.compiler.is_compiling() or stack.active or capturing()):
             return y
         flat_x = x.reshape(-1, x.shape[-1])
         flat_y = y.view(-1, y.shape[-1])
@@ -166,13 +169,9 @@ class LoRALinear(nn.Module):
         return f"slots={len(self.stack.ranks)}, fused={self.fused}"
 
 
-def recorded() -> bool:
-    """Whether this forward is traced (torch.compile) or captured (a CUDA graph). Every projection
-    then adds its delta, zeros where no slot's adapter targets it: the slots are filled later, as
-    data to the graph, and `LoRAStack.active` reads their ranks, Python ints a trace would be
-    specialised on and a capture would freeze."""
-    if torch.compiler.is_compiling():
-        return True
+def capturing() -> bool:
+    """Whether this forward is being captured into a CUDA graph (its adapters are filled in
+    later, as data to the graph)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
