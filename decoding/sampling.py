@@ -5,7 +5,7 @@ sampled and beam rows of many requests. The engine drives it as:
 
     t = SamplingTensors.from_rows(params, prompt_ids, output_ids, eos_ids, vocab_size, device)
     scores = process_logits(logits, t)           # processors, then warpers on sampling rows
-    tokens = choose_tokens(scores, t, generators)  # argmax / draw; beam rows: see beam_search.py
+    tokens = choose_tokens(scores, t, u)         # argmax / draw; beam rows: see beam_search.py
 
 Beam rows (strategy beam, group_beam, beam_sample) come out of `process_logits` as processed
 *log-probabilities*: HF applies processors to `log_softmax(logits)` in beam search but to raw
@@ -14,9 +14,10 @@ logits when sampling or greedy, and the two differ (the repetition penalty scale
 Sampling is by inverse CDF: one uniform number per row, located in the row's cumulative
 probabilities (no host sync). The exponential race (argmax p / Exp(1), what `torch.multinomial`
 does) needs V random numbers per row: with a 262k vocabulary that was 14 ms per row on CPU, 7x
-the cost of softmax + cumsum. Rows with a generator draw their uniform from it, so a seeded
-request gets the same tokens whatever else is in the batch; rows of one request must come in
-sibling order (they share its generator). Seeded tokens therefore differ from HF's (which uses
+the cost of softmax + cumsum. A row's number comes from its random stream (`RandomStreams`,
+random_streams.py: a key and a counter per row, all rows' numbers in a few tensor ops), so a
+seeded request gets the same tokens whatever else is in the batch; without streams the numbers
+come from torch's global generator. Seeded tokens therefore differ from HF's (which uses
 `torch.multinomial` on the global RNG); the distribution is the same.
 """
 
@@ -38,6 +39,7 @@ from decoding.processors import (
     apply_processors_,
     build_processor_tensors,
 )
+from decoding.random_streams import RandomStreams
 from decoding.transfer import to_device
 from decoding.warpers import WarperTensors, apply_warpers_, build_warper_tensors
 
@@ -196,39 +198,33 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors, exact: bool = True)
     return apply_warpers_(scores, t.warpers, exact)
 
 
-def uniform_draws(
-    count: int, generators: Sequence[torch.Generator | None], device: torch.device
+def sample_uniforms(
+    count: int, streams: RandomStreams | None, device: torch.device
 ) -> torch.Tensor:
-    """[count, 1] U[0, 1); rows with a generator draw from it, the rest from the global RNG."""
-    u = torch.empty((count, 1), device=device)
-    if any(g is None for g in generators):
-        u.uniform_()
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            u[row].uniform_(generator=gen)
-    return u
+    """[count, 1] U[0, 1) for the sampling rows: from their `streams`, else the global RNG."""
+    if streams is not None:
+        return streams.draw()
+    return torch.rand((count, 1), device=device)
 
 
 def choose_tokens(
     scores: torch.Tensor,
     t: SamplingTensors,
-    generators: Sequence[torch.Generator | None],
+    streams: RandomStreams | None = None,
     u: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of processed `scores` [R, V]: argmax, or a draw on sampling rows.
 
-    `generators` is per row (None: global RNG); `u`: the sampling rows' uniform draws, if already
-    drawn. Beam rows get their argmax, which the engine ignores: their tokens come from the
-    request's BeamSearch. Returns [R] long.
+    `streams`: the sampling rows' random streams (None: the global RNG); `u`: their uniform
+    numbers, if already drawn. Beam rows get their argmax, which the engine ignores: their tokens
+    come from the request's BeamSearch. Returns [R] long.
     """
     tokens = scores.argmax(dim=-1)
     if t.sample_rows is None:
         return tokens
     cdf = scores[t.sample_rows].softmax(dim=-1, dtype=torch.float32).cumsum(dim=-1)
     if u is None:
-        u = uniform_draws(
-            len(t.sample_row_list), [generators[r] for r in t.sample_row_list], cdf.device
-        )
+        u = sample_uniforms(len(t.sample_row_list), streams, cdf.device)
     # First index whose cumulative mass exceeds u * total: never a zero-probability token.
     drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
     tokens[t.sample_rows] = drawn.clamp_(max=scores.shape[-1] - 1)  # a fully banned row: no crash
@@ -250,35 +246,31 @@ class Draw:
 def draw(
     logits: torch.Tensor,
     t: SamplingTensors,
-    generators: Sequence[torch.Generator | None],
+    streams: RandomStreams | None = None,
     need_tokens: bool = True,
 ) -> Draw:
-    """`process_logits` + `choose_tokens` without reading anything back; `settle` reads it."""
+    """`process_logits` + `choose_tokens` without reading anything back; `settle` reads it.
+    `streams`: the sampling rows' random streams, in `t.sample_row_list` order."""
     scores = process_logits(logits, t, exact=False)
     u = None
     if t.sample_rows is not None:
-        rows = t.sample_row_list
-        u = uniform_draws(len(rows), [generators[r] for r in rows], logits.device)
+        u = sample_uniforms(len(t.sample_row_list), streams, logits.device)
     unsure = t.warpers.unsure if t.warpers is not None else None
     if not need_tokens and unsure is None:
         return Draw(scores, None, u, None)
-    return Draw(scores, choose_tokens(scores, t, generators, u), u, unsure)
+    return Draw(scores, choose_tokens(scores, t, u=u), u, unsure)
 
 
 def settle(
-    d: Draw,
-    values: list[int],
-    logits: torch.Tensor,
-    t: SamplingTensors,
-    generators: Sequence[torch.Generator | None],
+    d: Draw, values: list[int], logits: torch.Tensor, t: SamplingTensors
 ) -> tuple[torch.Tensor, list[int]]:
     """The exact scores and tokens of a draw whose `values` (its tokens, then its `unsure` flag
     when it has one) were read back: a flagged step is processed again exactly, with the same
-    random draws, so the result is always `choose_tokens(process_logits(logits, t), t, g)`'s."""
+    random numbers, so the result is always `choose_tokens(process_logits(logits, t), t, u=u)`'s."""
     if d.unsure is None or not values.pop():
         return d.scores, values
     scores = process_logits(logits, t, exact=True)
-    return scores, choose_tokens(scores, t, generators, d.u).tolist()
+    return scores, choose_tokens(scores, t, u=d.u).tolist()
 
 
 def draw_values(d: Draw) -> torch.Tensor | None:
@@ -293,13 +285,13 @@ def draw_values(d: Draw) -> torch.Tensor | None:
 def sample(
     logits: torch.Tensor,
     t: SamplingTensors,
-    generators: Sequence[torch.Generator | None],
+    streams: RandomStreams | None = None,
     need_tokens: bool = True,
 ) -> tuple[torch.Tensor, list[int]]:
     """`draw` + `settle` with one device-to-host copy per step: the tokens, and with them the
     flag of a warper that could not be sure without reading back."""
-    d = draw(logits, t, generators, need_tokens)
+    d = draw(logits, t, streams, need_tokens)
     values = draw_values(d)
     if values is None:
         return d.scores, []
-    return settle(d, values.tolist(), logits, t, generators)
+    return settle(d, values.tolist(), logits, t)

@@ -22,6 +22,7 @@ from decoding import (
     make_beam_search,
     process_logits,
 )
+from decoding.random_streams import RandomStreams, stream_key
 from tests.tiny_models import build_tiny_model
 
 EOS = 2
@@ -55,13 +56,10 @@ def last_logits(model: torch.nn.Module, rows: list[list[int]]) -> torch.Tensor:
 
 def ours_single(model: torch.nn.Module, params: DecodingParams, prompt: list[int]) -> list[int]:
     vocab = model.config.vocab_size
-    generator = None
     out: list[int] = []
     while len(out) < params.max_tokens:
         t = SamplingTensors.from_rows([params], [prompt], [out], EOS_IDS, vocab, "cpu")
-        token = int(
-            choose_tokens(process_logits(last_logits(model, [prompt + out]), t), t, [generator])[0]
-        )
+        token = int(choose_tokens(process_logits(last_logits(model, [prompt + out]), t), t)[0])
         out.append(token)
         if token in params.finishing_ids(EOS_IDS):
             break
@@ -191,7 +189,7 @@ def test_sampling_draws_from_hfs_warped_distribution(model: torch.nn.Module, cas
     vocab = model.config.vocab_size
     for seed, prompt in enumerate(PROMPTS[:2]):
         hf = hf_sampling_processors(model, params, len(prompt))
-        generator = torch.Generator().manual_seed(seed)
+        key = stream_key(seed)
         out: list[int] = []
         for _ in range(params.max_tokens):
             logits = last_logits(model, [prompt + out])
@@ -200,7 +198,7 @@ def test_sampling_draws_from_hfs_warped_distribution(model: torch.nn.Module, cas
             expected = hf(torch.tensor([prompt + out]), logits.clone())
             assert torch.equal(torch.isinf(ours), torch.isinf(expected))
             torch.testing.assert_close(ours[~torch.isinf(ours)], expected[~torch.isinf(expected)])
-            token = int(choose_tokens(ours, t, [generator])[0])
+            token = int(choose_tokens(ours, t, RandomStreams.of([key], [len(out)], "cpu"))[0])
             assert not torch.isinf(expected[0, token])
             out.append(token)
         assert len(set(out)) > 1

@@ -17,6 +17,7 @@ from decoding import (
     sample,
     token_logprobs,
 )
+from decoding.random_streams import RandomStreams, random_key, sibling_key, stream_key
 from decoding.sampling import KeptRowTensors
 
 V = 50
@@ -46,15 +47,16 @@ def toy_logits(history: list[int]) -> torch.Tensor:
 def run_rows(
     params: list[DecodingParams], prompts: list[list[int]], seeds: list[int | None], steps: int
 ) -> list[list[int]]:
-    """Drive several requests one step at a time in one batch, as the engine does."""
-    generators = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
+    """Drive several requests one step at a time in one batch, as the engine does: each sampling
+    row draws number len(output) of its stream (its seed's, else a random key)."""
+    keys = [stream_key(s) if s is not None else random_key() for s in seeds]
     outputs: list[list[int]] = [[] for _ in params]
     for _ in range(steps):
         logits = torch.stack([toy_logits(p + o) for p, o in zip(prompts, outputs)])
         t = SamplingTensors.from_rows(params, prompts, outputs, EOS, V, "cpu")
-        for row, token in enumerate(
-            choose_tokens(process_logits(logits, t), t, generators).tolist()
-        ):
+        rows = t.sample_row_list
+        streams = RandomStreams.of([keys[r] for r in rows], [len(outputs[r]) for r in rows], "cpu")
+        for row, token in enumerate(choose_tokens(process_logits(logits, t), t, streams).tolist()):
             outputs[row].append(token)
     return outputs
 
@@ -71,7 +73,7 @@ def test_seeded_row_gives_the_same_tokens_alone_and_in_a_busy_batch() -> None:
             DecodingParams(temperature=1.3),
             DecodingParams(temperature=0.0, repetition_penalty=1.5),
             SEEDED,
-            DecodingParams(num_beams=2),  # a beam row: must not touch anyone's generator
+            DecodingParams(num_beams=2),  # a beam row: draws nothing
             DecodingParams(temperature=0.7, top_p=0.5, seed=99),
             DecodingParams(min_p=0.2, presence_penalty=1.0),
         ],
@@ -83,17 +85,25 @@ def test_seeded_row_gives_the_same_tokens_alone_and_in_a_busy_batch() -> None:
     assert run_rows([SEEDED], [[5, 6]], [1235], steps=25)[0] != alone  # the seed matters
 
 
-def test_sibling_rows_share_their_request_generator_in_order() -> None:
-    """n = 3 rows of one seeded request: reproducible, and the three samples differ."""
+def test_sibling_rows_draw_from_streams_of_their_own() -> None:
+    """n = 3 rows of one seeded request: reproducible in any row order, and the three samples
+    differ."""
     params = [DecodingParams(n=3, temperature=1.0, max_tokens=10)] * 3
-    gen_a = torch.Generator().manual_seed(7)
-    gen_b = torch.Generator().manual_seed(7)
+    keys = [sibling_key(stream_key(7), k) for k in range(3)]
+    assert len(set(keys)) == 3
     logits = torch.stack([toy_logits([1])] * 3)
     t = SamplingTensors.from_rows(params, [[1]] * 3, [[]] * 3, EOS, V, "cpu")
-    draws_a = [choose_tokens(process_logits(logits, t), t, [gen_a] * 3).tolist() for _ in range(5)]
-    draws_b = [choose_tokens(process_logits(logits, t), t, [gen_b] * 3).tolist() for _ in range(5)]
-    assert draws_a == draws_b
-    assert len({tuple(d) for d in zip(*draws_a)}) > 1
+
+    def draws(order: list[int]) -> list[list[int]]:
+        picked = []
+        for step in range(8):
+            streams = RandomStreams.of([keys[k] for k in order], [step] * 3, "cpu")
+            tokens = choose_tokens(process_logits(logits, t), t, streams).tolist()
+            picked.append([tokens[order.index(k)] for k in range(3)])  # back in sibling order
+        return picked
+
+    assert draws([0, 1, 2]) == draws([2, 0, 1])
+    assert len({tuple(d) for d in zip(*draws([0, 1, 2]))}) > 1
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -115,7 +125,10 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     ],
     ids=["plain", "top_k", "top_p", "min_p", "typical"],
 )
-def test_draw_frequencies_follow_the_warped_distribution(params: DecodingParams) -> None:
+@pytest.mark.parametrize("one_stream", [False, True], ids=["global-rng", "one-stream"])
+def test_draw_frequencies_follow_the_warped_distribution(
+    params: DecodingParams, one_stream: bool
+) -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(3)
     base = torch.randn(10, generator=g) * 1.5
@@ -126,7 +139,9 @@ def test_draw_frequencies_follow_the_warped_distribution(params: DecodingParams)
     t = SamplingTensors.from_rows([params] * rows, prompt, [[]] * rows, EOS, 10, "cpu")
     scores = process_logits(logits, t)
     probs = scores[0].softmax(-1)
-    tokens = choose_tokens(scores, t, [None] * rows)
+    # the global RNG, or one row's stream read at 6000 counters (what one row draws over time)
+    streams = RandomStreams.of([stream_key(11)] * rows, range(rows), "cpu") if one_stream else None
+    tokens = choose_tokens(scores, t, streams)
     counts = torch.bincount(tokens, minlength=10).float()
     assert counts[probs == 0].sum() == 0, "drew a token outside the kept support"
     stat, df = chi_square(counts, probs)
@@ -142,7 +157,7 @@ def test_greedy_rows_take_the_argmax_of_processed_scores() -> None:
         DecodingParams(top_k=1),
     ]
     t = SamplingTensors.from_rows(params, [[4], [5]], [[], []], EOS, V, "cpu")
-    tokens = choose_tokens(process_logits(logits, t), t, [None, None]).tolist()
+    tokens = choose_tokens(process_logits(logits, t), t).tolist()
     assert tokens[0] != favourite and tokens[0] == int(
         logits[0].clone().index_fill_(0, torch.tensor([favourite]), -1e9).argmax()
     )
@@ -153,7 +168,9 @@ def test_logprobs_read_the_raw_distribution() -> None:
     logits = torch.stack([toy_logits([1]), toy_logits([2]), toy_logits([3])])
     params = [DecodingParams(temperature=0.3, repetition_penalty=2.0, logprobs=3)] * 3
     t = SamplingTensors.from_rows(params, [[1], [2], [3]], [[]] * 3, EOS, V, "cpu")
-    tokens = choose_tokens(process_logits(logits, t), t, [torch.Generator().manual_seed(0)] * 3)
+    tokens = choose_tokens(
+        process_logits(logits, t), t, RandomStreams.of([1, 2, 3], [0] * 3, "cpu")
+    )
     lp = token_logprobs(logits, tokens, num_top=3)
     raw = logits.log_softmax(-1)
     torch.testing.assert_close(lp.chosen, raw.gather(1, tokens[:, None])[:, 0])
@@ -182,11 +199,13 @@ def test_best_of_rows_draw_and_ask_for_logprobs() -> None:
     assert t.sample_row_list == [0, 1, 2] and t.logprob_rows == [0, 1, 2]
     cumulative = [0.0, 0.0, 0.0]
     outputs: list[list[int]] = [[], [], []]
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(6):
+    keys = [sibling_key(stream_key(5), k) for k in range(3)]
+    for step in range(6):
         logits = torch.stack([toy_logits([1] + o) for o in outputs])
         t = SamplingTensors.from_rows(params, [[1]] * 3, outputs, EOS, V, "cpu")
-        tokens = choose_tokens(process_logits(logits, t), t, [gen] * 3)
+        tokens = choose_tokens(
+            process_logits(logits, t), t, RandomStreams.of(keys, [step] * 3, "cpu")
+        )
         for i, (tok, lp) in enumerate(
             zip(tokens.tolist(), token_logprobs(logits, tokens).chosen.tolist())
         ):
@@ -230,13 +249,11 @@ def test_the_one_read_path_equals_the_exact_one_for_mixed_warper_rows(
     ]
     t = SamplingTensors.from_rows(params, [[1]] * rows, [[]] * rows, EOS, vocab, "cpu")
 
-    def generators() -> list[torch.Generator | None]:
-        return [torch.Generator().manual_seed(r) for r in range(rows)]
-
+    streams = RandomStreams.of([stream_key(r) for r in range(rows)], [0] * rows, "cpu")
     want = process_logits(logits, t)
-    scores, tokens = sample(logits, t, generators())
+    scores, tokens = sample(logits, t, streams)
     torch.testing.assert_close(scores, want)
-    assert tokens == choose_tokens(want, t, generators()).tolist()
+    assert tokens == choose_tokens(want, t, streams).tolist()
 
 
 # ---- the params-only tensors kept from step to step -------------------------------------------
@@ -302,12 +319,11 @@ def test_kept_row_tensors_draw_the_tokens_a_fresh_build_draws() -> None:
     """Step after step with the same rows, seeded: the same tokens as tensors built anew."""
     params = [p for p in _mixed_params() if not p.is_beam]
     kept = KeptRowTensors()
-    gens = {k: [torch.Generator().manual_seed(7 + r) for r in range(len(params))] for k in (1, 0)}
     tokens: dict[int, list[list[int]]] = {1: [], 0: []}
     torch.manual_seed(0)
     logits_steps = [torch.randn(len(params), 50) for _ in range(4)]
     for use_kept in (1, 0):
-        for logits in logits_steps:
+        for step, logits in enumerate(logits_steps):
             t = SamplingTensors.from_rows(
                 params,
                 [[1, 2, 3]] * len(params),
@@ -317,6 +333,8 @@ def test_kept_row_tensors_draw_the_tokens_a_fresh_build_draws() -> None:
                 "cpu",
                 kept=kept if use_kept else None,
             )
-            tokens[use_kept].append(sample(logits, t, gens[use_kept])[1])
+            rows = t.sample_row_list
+            streams = RandomStreams.of([7 + r for r in rows], [step] * len(rows), "cpu")
+            tokens[use_kept].append(sample(logits, t, streams)[1])
     assert kept.hits == 3
     assert tokens[1] == tokens[0]

@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from decoding import DecodingParams, SamplingTensors, choose_tokens, process_logits, sample
+from decoding.random_streams import RandomStreams, stream_key
 from decoding.warpers import TIE_ROOM
 from server.model.kv_pool import paged_kernel
 from tests.conftest import make_engine
@@ -172,25 +173,25 @@ def test_sample_reads_once_and_still_keeps_top_k_ties_exactly() -> None:
     params = [DecodingParams(temperature=0.9, top_k=8, top_p=0.99, seed=r) for r in range(6)]
     t = SamplingTensors.from_rows(params, [[1]] * 6, [[]] * 6, frozenset(), 300, "cpu")
 
-    def generators() -> list[torch.Generator | None]:
-        return [torch.Generator().manual_seed(r) for r in range(6)]
+    def streams() -> RandomStreams:
+        return RandomStreams.of([stream_key(r) for r in range(6)], [0] * 6, "cpu")
 
     want = process_logits(logits, t)
     assert ((want > float("-inf")).sum(dim=-1) >= tie).all()  # more than k: HF keeps ties
     counter = ReadCounter()
     with counter:
-        scores, tokens = sample(logits, t, generators())
+        scores, tokens = sample(logits, t, streams())
     torch.testing.assert_close(scores, want)
-    assert tokens == choose_tokens(want, t, generators()).tolist()
+    assert tokens == choose_tokens(want, t, streams()).tolist()
     # the flag rode along with the tokens; the exact redo read once more, only because of ties
     assert sum(counter.reads.values()) <= 3, dict(counter.reads)
     untied = torch.randn(6, 300)
     t = SamplingTensors.from_rows(params, [[1]] * 6, [[]] * 6, frozenset(), 300, "cpu")
     counter = ReadCounter()
     with counter:
-        _, tokens = sample(untied, t, generators())
+        _, tokens = sample(untied, t, streams())
     assert sum(counter.reads.values()) == 1, dict(counter.reads)
-    assert tokens == choose_tokens(process_logits(untied, t), t, generators()).tolist()
+    assert tokens == choose_tokens(process_logits(untied, t), t, streams()).tolist()
 
 
 def test_bfloat16_ties_at_the_kth_value_cost_no_second_read() -> None:
@@ -206,12 +207,10 @@ def test_bfloat16_ties_at_the_kth_value_cost_no_second_read() -> None:
     kth = logits.topk(50, dim=-1).values[:, -1:]
     assert ((logits >= kth).sum(dim=-1) > 50).float().mean() > 0.3  # ties are the norm
 
-    def generators() -> list[torch.Generator | None]:
-        return [torch.Generator().manual_seed(r) for r in range(rows)]
-
+    streams = RandomStreams.of([stream_key(r) for r in range(rows)], [0] * rows, "cpu")
     counter = ReadCounter()
     with counter:
-        scores, tokens = sample(logits, t, generators())
+        scores, tokens = sample(logits, t, streams)
     assert sum(counter.reads.values()) == 1, dict(counter.reads)
     want = process_logits(logits, t)
     torch.testing.assert_close(scores.sort(dim=-1).values, want.sort(dim=-1).values)

@@ -17,6 +17,7 @@ import torch
 
 from decoding import DecodingParams
 from decoding.grammar import GrammarCompiler, GrammarSpec
+from decoding.random_streams import stream_key
 from decoding.speculation import DraftLength, NgramIndex, accepted_length
 from server.api.app import create_app
 from server.config import ServerConfig
@@ -79,7 +80,7 @@ def test_draft_length_adapts_and_pauses_a_row_whose_drafts_gain_little() -> None
 # ---- inside the engine --------------------------------------------------------------------------
 def workload(engine: Engine) -> list[tuple[list[int], DecodingParams]]:
     """Greedy (with stop strings, logprobs, short max_tokens), seeded sampling with and without
-    penalties, n and best_of (seeded: they do not draft), unconstrained beams."""
+    penalties, n and best_of (seeded, drafting row by row), unconstrained beams."""
     tok = engine.tokenizer
     work = []
     for i, text in enumerate(PROMPTS + LOOPING):
@@ -112,9 +113,10 @@ def workload(engine: Engine) -> list[tuple[list[int], DecodingParams]]:
 
 
 def outputs(got: Collected) -> list[tuple[object, ...]]:
-    """Everything a client sees, output by output; logprobs to 1e-3 (a verified position's
-    logits come from a chunk's forward, a decoded one's from a one-token step: the float32 sums
-    differ in the last bits)."""
+    """Everything a client sees, output by output of each choice (a row that keeps drafts
+    streams several tokens in one step, so its siblings' outputs interleave differently); logprobs
+    to 1e-3 (a verified position's logits come from a chunk's forward, a decoded one's from a
+    one-token step: the float32 sums differ in the last bits)."""
     return [
         (
             o.index,
@@ -124,7 +126,7 @@ def outputs(got: Collected) -> list[tuple[object, ...]]:
             o.completion_tokens,
             [(t.token_id, pytest.approx(t.logprob, abs=1e-3)) for t in o.logprobs or []],
         )
-        for o in got.outputs
+        for o in sorted(got.outputs, key=lambda o: o.index)  # stable: each choice in order
     ]
 
 
@@ -237,13 +239,26 @@ def test_constrained_rows_draft_only_what_their_grammar_allows(llama_dir: Path) 
     assert engines[1].stats_snapshot()["spec_decode_num_draft_tokens"] > 0
 
 
-def test_beam_rows_and_seeded_multi_row_requests_never_draft(llama_dir: Path) -> None:
+def test_beam_rows_never_draft_and_seeded_multi_row_requests_draft_the_same_tokens(
+    llama_dir: Path,
+) -> None:
+    """Beam rows never draft. The rows of a seeded n / best_of request do (each row has a random
+    stream of its own) and give the tokens they give without speculation."""
     engine = make_engine(llama_dir, speculative_tokens=K)
     prompt = engine.tokenizer(LOOPING[0]).input_ids
     submit(engine, "b", prompt, DecodingParams(max_tokens=30, num_beams=2, temperature=0.0))
-    submit(engine, "n", prompt, DecodingParams(max_tokens=30, temperature=0.5, n=2, seed=3))
     run_to_completion(engine)
     assert engine.stats_snapshot()["spec_decode_num_drafts"] == 0
+    work = [
+        (prompt, DecodingParams(max_tokens=30, temperature=0.5, n=3, seed=3)),
+        (prompt, DecodingParams(max_tokens=20, temperature=0.8, best_of=3, n=2, seed=4)),
+    ]
+    plain, spec = make_engine(llama_dir), make_engine(llama_dir, speculative_tokens=K)
+    expected, got = run(plain, work), run(spec, work)
+    assert [outputs(g) for g in got] == [outputs(g) for g in expected]
+    assert len({tuple(o.token_ids) for o in got[0].outputs}) > 1  # the rows' streams differ
+    assert spec.stats_snapshot()["spec_decode_num_drafts"] > 0
+    assert_all_blocks_back(spec)
 
 
 def test_drafts_fit_the_step_budget(llama_dir: Path) -> None:
@@ -307,7 +322,8 @@ def test_verification_keeps_a_sampled_rows_distribution() -> None:
     seq = req.rows[0]
     seq.token_ids.append(4)  # one output token: the row decodes
     trials, first, kept = 6000, torch.zeros(vocab), 0
-    for _ in range(trials):
+    for trial in range(trials):
+        req.stream_key = stream_key(trial)  # a fresh stream: the same one would draw the same
         item = WorkItem(seq, 1 + 1, draft=[draft])
         batch = VerifyBatch([item], [seq], None)
         pending, _ = batch.choose(logits, frozenset({99}))

@@ -33,8 +33,8 @@ NOTES: dict[str, str] = {
     "how many hypotheses come back (HF's `num_return_sequences`)",
     "responses:n": "1 only (a 400 otherwise): a response has one output; beams and `best_of` "
     "return their best",
-    "seed": "a random generator per request: the same seed gives the same text whatever else is "
-    "in the batch",
+    "seed": "a random stream per row, keyed by the seed: the same seed gives the same text "
+    "whatever else is in the batch",
     "presence_penalty": "OpenAI's penalty over generated tokens, in [-2, 2]",
     "frequency_penalty": "OpenAI's penalty over generated tokens, in [-2, 2], per occurrence",
     "logit_bias": '`{"token id": bias}`, bias in [-100, 100]',

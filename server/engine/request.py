@@ -17,6 +17,7 @@ import torch
 from decoding import BeamSearch, DecodingParams, GroupBeamSearch, make_beam_search
 from decoding.constraints import TokenConstraint
 from decoding.processors import PenaltyHistory
+from decoding.random_streams import random_key, sibling_key, stream_key
 from decoding.speculation import RowDrafts
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.step_plan import NO_ADAPTER
@@ -177,6 +178,11 @@ class Sequence:
         """The device slot of its request's LoRA adapter (NO_ADAPTER: the base model)."""
         return self.request.lora_slot
 
+    @property
+    def stream_key(self) -> int:
+        """Its random stream's key: its output token i draws number i of it."""
+        return sibling_key(self.request.stream_key, self.index)
+
 
 @dataclass(eq=False)
 class EngineRequest:
@@ -187,7 +193,9 @@ class EngineRequest:
     trace_id: str | None = None  # the client's X-Request-Id, for logs
     constraint: TokenConstraint | None = None  # the first row's state; rows fork their own
     arrival_time: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
+    # its first row's random stream (decoding/random_streams.py): from its seed, else drawn at
+    # admission; its other rows (n, best_of) derive theirs from it
+    stream_key: int = 0
     rows: list[Sequence] = field(default_factory=list)  # active rows, in sibling order
     done_rows: list[Sequence] = field(default_factory=list)  # finished rows (best_of ranks them)
     search: BeamSearch | GroupBeamSearch | None = None
@@ -208,12 +216,11 @@ class EngineRequest:
     lora_slot: int = NO_ADAPTER  # the device slot its adapter occupies while it runs
 
     def prepare(self, eos_ids: frozenset[int], device: torch.device, max_model_len: int) -> None:
-        """Admission: the ids that end it, its seeded generator, its beam search, its first row
+        """Admission: the ids that end it, its random stream, its beam search, its first row
         (which takes over the request's constraint state)."""
         params = self.params
         self.finishing_ids = params.finishing_ids(eos_ids)
-        if params.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.stream_key = stream_key(params.seed) if params.seed is not None else random_key()
         if params.is_beam:
             room = max_model_len - len(self.prompt_ids)
             self.search = make_beam_search(params, eos_ids, max_new_tokens=room)

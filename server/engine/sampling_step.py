@@ -28,6 +28,7 @@ from decoding.constraints import (
 )
 from decoding.params import DecodingParams
 from decoding.processors import PenaltyHistory, uses_penalty_history
+from decoding.random_streams import RandomStreams
 from decoding.sampling import Draw, KeptRowTensors, draw, draw_values, settle
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
@@ -53,6 +54,12 @@ class ChoosingRow(Protocol):
 
     @property
     def output_ids(self) -> list[int]: ...
+
+    @property
+    def num_output(self) -> int: ...
+
+    @property
+    def stream_key(self) -> int: ...
 
 
 class HostRead:
@@ -111,10 +118,7 @@ class PendingChoices:
         dead = read[len(read) - len(self.mask.row_list) :] if self.mask is not None else []
         read = read[: len(read) - len(dead)]  # the tokens, then the tie flag if there is one
         on_device = read[:-1] if drawn.unsure is not None else read  # the device's tokens
-        generators = [s.request.generator for s in self.rows]
-        scores, tokens = (
-            settle(drawn, read, self.logits, t, generators) if read else (drawn.scores, [])
-        )
+        scores, tokens = settle(drawn, read, self.logits, t) if read else (drawn.scores, [])
         refined = tokens != on_device
         logprobs: dict[int, TokenLogprob] = {}
         if self.logprob_rows:
@@ -129,6 +133,20 @@ class PendingChoices:
                 logprobs[r] = TokenLogprob(tokens[r], chosen, alternatives[:k])
         no_token = read_dead_rows(dead, self.mask)
         return Choices(scores, tokens, logprobs, no_token, self.mask_seconds, refined)
+
+
+def random_streams(
+    rows: Rows[ChoosingRow], t: SamplingTensors, device: torch.device
+) -> RandomStreams | None:
+    """The sampling rows' random streams: each row draws the number of the output token it
+    chooses (its count of output tokens so far), so a token's number never depends on the
+    batch, on speculation or on a preemption."""
+    if t.sample_rows is None:
+        return None
+    sampling = [rows[r] for r in t.sample_row_list]
+    return RandomStreams.of(
+        [s.stream_key for s in sampling], [s.num_output for s in sampling], device
+    )
 
 
 def _logprobs(
@@ -180,9 +198,8 @@ def choose_on_device(
         penalty_histories=penalty_histories(rows, params),
         kept=kept,
     )
-    generators = [s.request.generator for s in rows]
     beam_only = all(p.is_beam for p in params)  # beams take their tokens from their searches
-    drawn = draw(logits, tensors, generators, need_tokens=not beam_only)
+    drawn = draw(logits, tensors, random_streams(rows, tensors, logits.device), not beam_only)
     parts = [v for v in (draw_values(drawn), dead_rows(drawn.scores, mask)) if v is not None]
     values = None
     if parts:  # one tensor, one read (most steps: the tokens alone, no copy)

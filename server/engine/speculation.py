@@ -14,10 +14,9 @@ Which rows draft:
   only drafts what its grammar allows; each position gets its own copy of the grammar state);
 - not beam rows: a beam search must score every beam's candidates at every step, and its beams are
   re-forked at each one, so there is no single continuation to verify;
-- not the rows of a seeded request with several rows (n, best_of): they share one random stream,
-  whose order would then depend on how many tokens each row kept. A seeded request's single row
-  draws its i-th output token from the i-th number of its stream (`rewind`), so its tokens are the
-  same with speculation on and off.
+- every row draws its i-th output token with number i of its own random stream, a draft position
+  too (decoding/random_streams.py), so a seeded request's tokens, `n` and `best_of` included, are
+  the same with speculation on and off.
 """
 
 from __future__ import annotations
@@ -43,8 +42,13 @@ class DraftPosition:
     request: EngineRequest
     output_ids: list[int]
     constraint: TokenConstraint | None
+    stream_key: int  # its row's: the position draws number len(output_ids) of that stream
     penalties: PenaltyHistory | None = None  # always None: a draft position is made per step,
     # its penalties read `output_ids`
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
 
 
 @dataclass
@@ -64,7 +68,7 @@ class Speculator:
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a row about to decode one token, at most `room` (the step's budget)."""
         req = seq.request
-        if req.search is not None or (req.generator is not None and req.width > 1):
+        if req.search is not None:
             return []
         state = seq.drafts
         if state is None:
@@ -110,7 +114,6 @@ class VerifyBatch:
     ) -> None:
         self.rows = rows
         self.drafts = [items[i].draft for i in (row_items or range(len(rows)))]
-        self._saved: dict[int, torch.Tensor] = {}
         self.positions: list[Sequence | DraftPosition]
         if not any(self.drafts):  # the common step: one position per row, no loop over rows
             self.positions, self.starts = list(rows), list(range(len(rows)))
@@ -130,14 +133,14 @@ class VerifyBatch:
             draft = self.drafts[r]
             if not draft:
                 continue
-            if (gen := seq.request.generator) is not None:
-                self._saved[r] = gen.get_state()
             states = seq.drafts.constraints if seq.drafts is not None else []
             for j in range(1, len(draft) + 1):
                 # none after a finishing draft: the row ends there, that position is never kept
                 constraint = states[j - 1] if j <= len(states) else None
                 self.positions.append(
-                    DraftPosition(seq.request, [*seq.output_ids, *draft[:j]], constraint)
+                    DraftPosition(
+                        seq.request, [*seq.output_ids, *draft[:j]], constraint, seq.stream_key
+                    )
                 )
                 logits_rows.append(offsets[i] + j)
         identity = row_items is None and len(logits_rows) == total
@@ -160,7 +163,7 @@ class VerifyBatch:
 
     def outcome(self, r: int, choices: Choices) -> RowOutcome:
         """What row `r` keeps: its drafts up to the first one the chosen tokens differ from, and
-        the token chosen there (a seeded row's stream is left after one draw per kept token)."""
+        the token chosen there."""
         draft, start, seq = self.drafts[r], self.starts[r], self.rows[r]
         if not draft:  # a plain row: its one chosen token, or none
             if start in choices.no_token:
@@ -175,8 +178,6 @@ class VerifyBatch:
             kept = accepted = ends[0]
         finishing = seq.request.finishing_ids
         kept = next((j + 1 for j in range(kept) if chosen[j] in finishing), kept)
-        if r in self._saved:
-            rewind(seq.request.generator, self._saved[r], kept)
         if seq.drafts is not None:
             seq.drafts.length.record(len(draft), accepted)
         return RowOutcome(
@@ -186,14 +187,3 @@ class VerifyBatch:
             accepted=accepted,
             no_token=no_token,
         )
-
-
-def rewind(generator: torch.Generator | None, state: torch.Tensor, draws: int) -> None:
-    """Put `generator` back to `state` and advance it by `draws` single draws, as a step that
-    draws one uniform number per row would have left it (sampling.uniform_draws)."""
-    if generator is None:
-        return
-    generator.set_state(state)
-    scratch = torch.empty(1, device=generator.device)
-    for _ in range(draws):
-        scratch.uniform_(generator=generator)

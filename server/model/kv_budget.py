@@ -247,7 +247,7 @@ def sampler_workload(logits: torch.Tensor) -> None:
         t = SamplingTensors.from_rows(
             params, prompts, [[]] * rows, frozenset(), vocab, logits.device
         )
-        _, tokens = sample(logits, t, [None] * rows)
+        _, tokens = sample(logits, t)
         token_logprobs(logits, tokens, num_top=PROFILE_LOGPROBS)
 
 
