@@ -9,8 +9,8 @@ bias and the repetition penalty do not commute, hence bias first like HF (vLLM t
 Everything that depends on the token history is computed in `build_processor_tensors` as sparse
 (row, token) pairs: applying them touches only those entries (gather / scatter like HF's
 repetition penalty), never a dense [R, V] mask. A processor no row uses builds nothing and costs
-nothing. The penalties read a row's `PenaltyHistory` when it has one: kept up to date token by
-token, it turns a step's Python work per row from O(history) into copying two arrays.
+nothing. The penalties of a row kept in a `PenaltyTable` (penalty_table.py: its distinct tokens
+and counts on the device, updated token by token) cost no Python per history token at all.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from decoding.params import DecodingParams
+from decoding.penalty_table import PenaltyRow, TablePenalties
 from decoding.transfer import to_device
 
 TokenIds = Sequence[int]
@@ -132,35 +133,6 @@ def _pairs(
     return Pairs(to_device(rows, device), to_device(tokens, device), to_device(values, device))
 
 
-class PenaltyHistory:
-    """One row's tokens as the penalties read them, kept up to date token by token (`append`):
-    the distinct tokens of prompt and output (the repetition penalty; HF's duplicates only write
-    one value twice) and each distinct output token with its count (presence and frequency).
-    Rebuilding these from the row's token list at every step is O(history) of Python per row:
-    for 256 rows of 1,000 tokens, 55 ms a step."""
-
-    def __init__(self, prompt_ids: TokenIds, output_ids: TokenIds) -> None:
-        self._seen = set(prompt_ids)
-        self.seen = array("q", self._seen)
-        self._index: dict[int, int] = {}
-        self.output_tokens = array("q")
-        self.output_counts = array("d")
-        for token in output_ids:
-            self.append(token)
-
-    def append(self, token: int) -> None:
-        if token not in self._seen:
-            self._seen.add(token)
-            self.seen.append(token)
-        i = self._index.get(token)
-        if i is None:
-            self._index[token] = len(self.output_tokens)
-            self.output_tokens.append(token)
-            self.output_counts.append(1.0)
-        else:
-            self.output_counts[i] += 1.0
-
-
 def uses_penalty_history(p: DecodingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
@@ -171,6 +143,7 @@ class ProcessorTensors:
     repetition: Pairs | None = None  # value: penalty; one pair per token of prompt + output
     presence_frequency: Pairs | None = None  # value: frequency * count + presence, output tokens
     banned: Pairs | None = None  # n-gram, bad words, min tokens
+    kept: TablePenalties | None = None  # all three penalties of the rows kept in a table
 
     @property
     def empty(self) -> bool:
@@ -184,30 +157,27 @@ def build_processor_tensors(
     eos_ids: Sequence[int] | frozenset[int],
     vocab_size: int,
     device: torch.device | str,
-    penalty_histories: Sequence[PenaltyHistory | None] | None = None,
+    penalty_rows: Sequence[PenaltyRow | None] | None = None,
 ) -> ProcessorTensors:
     """Per-row processor entries from each row's params and its prompt and output token ids (read
-    only for the rows whose processors need them), the penalties from the row's `PenaltyHistory`
-    where `penalty_histories` has one (the same entries, faster); fields stay None when no row
-    uses that processor."""
+    only for the rows whose processors need them), the penalties from the row's table where
+    `penalty_rows` has one (the same values, gathered on the device); fields stay None when no
+    row uses that processor."""
     bias, repetition, bans = PairsBuilder(), PairsBuilder(), PairsBuilder()
     penalties = CountPairsBuilder()
+    kept: list[tuple[int, PenaltyRow, DecodingParams]] = []
     for r, p in enumerate(params):
         if p.logit_bias:
             bias.add(r, list(p.logit_bias), list(p.logit_bias.values()))
-        state = penalty_histories[r] if penalty_histories is not None else None
-        if p.repetition_penalty != 1.0:  # repeated tokens are harmless: equal writes of one value
-            seen = state.seen if state is not None else [*prompt_ids[r], *output_ids[r]]
-            repetition.add(r, seen, p.repetition_penalty)
-        if p.presence_penalty or p.frequency_penalty:
-            tokens: Sequence[int]
-            counts: Sequence[float]
-            if state is not None:
-                tokens, counts = state.output_tokens, state.output_counts
-            else:
-                counted = Counter(output_ids[r])
-                tokens, counts = list(counted), [float(c) for c in counted.values()]
-            penalties.add(r, tokens, counts, p.frequency_penalty, p.presence_penalty)
+        state = penalty_rows[r] if penalty_rows is not None else None
+        if state is not None and uses_penalty_history(p):
+            kept.append((r, state, p))
+        elif p.repetition_penalty != 1.0:  # repeated tokens are harmless: equal writes of a value
+            repetition.add(r, [*prompt_ids[r], *output_ids[r]], p.repetition_penalty)
+        if state is None and (p.presence_penalty or p.frequency_penalty):
+            counted = Counter(output_ids[r])
+            counts = [float(c) for c in counted.values()]
+            penalties.add(r, list(counted), counts, p.frequency_penalty, p.presence_penalty)
         if p.no_repeat_ngram_size:
             history = torch.tensor(list(prompt_ids[r]) + list(output_ids[r]), dtype=torch.long)
             bans.add(r, ngram_bans(history, p.no_repeat_ngram_size), 0.0)
@@ -220,6 +190,18 @@ def build_processor_tensors(
         repetition=repetition.build(vocab_size, device),
         presence_frequency=penalties.build(vocab_size, device),
         banned=bans.build(vocab_size, device),
+        kept=_gather_kept(kept) if kept else None,
+    )
+
+
+def _gather_kept(kept: list[tuple[int, PenaltyRow, DecodingParams]]) -> TablePenalties:
+    table = kept[0][1].table
+    return table.gather(
+        [r for r, _, _ in kept],
+        [state for _, state, _ in kept],
+        [p.repetition_penalty for _, _, p in kept],
+        [p.frequency_penalty for _, _, p in kept],
+        [p.presence_penalty for _, _, p in kept],
     )
 
 
@@ -228,6 +210,8 @@ def apply_processors_(scores: torch.Tensor, t: ProcessorTensors) -> torch.Tensor
     if t.logit_bias is not None:
         b = t.logit_bias
         scores.index_put_((b.rows, b.tokens), b.values, accumulate=True)
+    if t.kept is not None:  # its rows get no pairs below
+        t.kept.apply_(scores)
     if t.repetition is not None:
         rp = t.repetition
         old = scores[rp.rows, rp.tokens]

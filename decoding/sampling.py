@@ -32,8 +32,8 @@ import torch
 
 from decoding.constraints import ConstraintMask, apply_constraint_mask_
 from decoding.params import BEAM_STRATEGIES, DecodingParams
+from decoding.penalty_table import PenaltyRow
 from decoding.processors import (
-    PenaltyHistory,
     ProcessorTensors,
     TokenIds,
     apply_processors_,
@@ -70,7 +70,7 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         constraint: ConstraintMask | None = None,
-        penalty_histories: Sequence[PenaltyHistory | None] | None = None,
+        penalty_rows: Sequence[PenaltyRow | None] | None = None,
         kept: KeptRowTensors | None = None,
     ) -> SamplingTensors:
         """Tensors for R rows: each row's params, its prompt and the tokens it generated so far.
@@ -79,12 +79,12 @@ class SamplingTensors:
         with its own `output_ids`. `eos_ids` are the model's EOS ids (the request's
         `stop_token_ids` and `ignore_eos` are applied per row). `constraint`: the mask of
         the constrained rows (`build_constraint_mask`, constraints.py), if any.
-        `penalty_histories`: the rows' kept penalty state, where they have one (processors.py).
+        `penalty_rows`: the rows' kept penalty state, where they have one (penalty_table.py).
         `kept`: the tensors that depend on the rows' params alone, kept from the last step
         and reused while the rows' params are the same objects in the same order.
         """
         processors = build_processor_tensors(
-            params, prompt_ids, output_ids, eos_ids, vocab_size, device, penalty_histories
+            params, prompt_ids, output_ids, eos_ids, vocab_size, device, penalty_rows
         )
         context = (eos_ids, vocab_size, str(device))
         build = lambda: RowTensors.of(params, eos_ids, vocab_size, device)  # noqa: E731

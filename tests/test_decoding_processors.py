@@ -24,7 +24,8 @@ from transformers.generation.logits_process import (
 )
 
 from decoding import DecodingParams, SamplingTensors, process_logits
-from decoding.processors import PenaltyHistory, bad_word_bans, ngram_bans
+from decoding.penalty_table import PenaltyRow, PenaltyTable
+from decoding.processors import bad_word_bans, ngram_bans
 
 V = 40
 EOS = frozenset({2})
@@ -283,14 +284,16 @@ def test_warpers_after_top_k_on_a_wide_vocabulary_match_hf(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_kept_penalty_histories_give_the_rebuilt_entries(seed: int) -> None:
-    """A row's `PenaltyHistory`, made from a prefix of its tokens and then appended to token by
-    token (as the engine's commits do), processes scores exactly as the token lists do."""
-    rows = 6
+def test_rows_kept_in_a_penalty_table_process_scores_as_their_token_lists_do(seed: int) -> None:
+    """Rows kept in a `PenaltyTable`, each made from a prefix of its tokens and then appended to
+    token by token (as the engine's commits do), process scores exactly as the token lists do:
+    over steps, with released rows' slots reused (queued appends of a released row dropped) and
+    the table growing past its first slots and width."""
+    rows, vocab = 12, 200  # more distinct tokens than the table's first width
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 12, (6,), generator=g).tolist() for _ in range(rows)]
-    outputs = [torch.randint(0, 15, (5 + 3 * r,), generator=g).tolist() for r in range(rows)]
-    params = [
+    prompts = [torch.randint(0, vocab, (6 + 9 * r,), generator=g).tolist() for r in range(rows)]
+    outputs = [torch.randint(0, vocab, (5 + 3 * r,), generator=g).tolist() for r in range(rows)]
+    choices = [
         DecodingParams(repetition_penalty=1.3, seed=1),
         DecodingParams(frequency_penalty=0.7, presence_penalty=0.4),
         DecodingParams(repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=1.5),
@@ -298,16 +301,36 @@ def test_kept_penalty_histories_give_the_rebuilt_entries(seed: int) -> None:
         DecodingParams(frequency_penalty=1.1, logit_bias={3: 2.0}),
         DecodingParams(repetition_penalty=1.2, presence_penalty=-0.3, no_repeat_ngram_size=2),
     ]
-    kept = []
+    params = [choices[r % len(choices)] for r in range(rows)]
+    table = PenaltyTable("cpu")
+    doomed = table.add([1, 2], [3])  # released with an append still queued: its slot is reused
+    doomed.append(4)
+    doomed.release()
+    kept: list[PenaltyRow | None] = []
     for prompt, output in zip(prompts, outputs):
-        state = PenaltyHistory(prompt, output[: len(output) // 2])
-        for token in output[len(output) // 2 :]:
-            state.append(token)
-        kept.append(state)
-    logits = random_logits(rows, seed)
-    rebuilt = SamplingTensors.from_rows(params, prompts, outputs, EOS, V, "cpu")
-    from_kept = SamplingTensors.from_rows(
-        params, prompts, outputs, EOS, V, "cpu", penalty_histories=[*kept[:3], None, *kept[4:]]
-    )
-    assert torch.equal(process_logits(logits, from_kept), process_logits(logits, rebuilt))
-    assert sorted(kept[0].seen) == sorted(set(prompts[0]) | set(outputs[0]))
+        kept.append(table.add(prompt, output[: len(output) // 2]))
+    kept[3] = None  # a row without kept state: its lists are read
+    assert table.tokens.shape[0] >= rows and table.tokens.shape[1] > 64  # it grew
+    for step in range(3):  # the second half of each output, then two more tokens
+        if step == 0:
+            for r, state in enumerate(kept):
+                for token in outputs[r][len(outputs[r]) // 2 :]:
+                    if state is not None:
+                        state.append(token)
+        else:
+            for r, state in enumerate(kept):
+                token = int(torch.randint(0, vocab, (), generator=g))
+                outputs[r].append(token)
+                if state is not None:
+                    state.append(token)
+        logits = torch.randn((rows, vocab), generator=g) * 2.0
+        rebuilt = SamplingTensors.from_rows(params, prompts, outputs, EOS, vocab, "cpu")
+        from_kept = SamplingTensors.from_rows(
+            params, prompts, outputs, EOS, vocab, "cpu", penalty_rows=kept
+        )
+        assert torch.equal(process_logits(logits, from_kept), process_logits(logits, rebuilt))
+    assert table.rows_held == rows - 1
+    for state in kept:
+        if state is not None:
+            state.release()
+    assert table.rows_held == 0

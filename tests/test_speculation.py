@@ -341,8 +341,8 @@ def test_verification_keeps_a_sampled_rows_distribution() -> None:
 def test_kept_penalty_histories_change_no_output(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rows keep their penalty state between steps (decoding/processors.py `PenaltyHistory`,
-    updated by every commit): with drafts accepted, `n` forks, stop strings and logprobs, every
+    """Rows keep their penalty state between steps (decoding/penalty_table.py, updated by every
+    commit): with drafts accepted, `n` forks, stop strings and logprobs, every
     output equals an engine that rebuilds the penalties from the token lists at each step."""
     penalized = [
         DecodingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3, logprobs=2),
@@ -355,7 +355,7 @@ def test_kept_penalty_histories_change_no_output(
     results = []
     for keep in (True, False):
         if not keep:
-            monkeypatch.setattr("server.engine.sampling_step.penalty_histories", lambda r, p: None)
+            monkeypatch.setattr("server.engine.sampling_step.penalty_rows", lambda r, p, t: None)
         engine = make_engine(llama_dir, speculative_tokens=8)
         got = [
             submit(engine, f"{i}-{j}", engine.tokenizer(text * 2).input_ids, params)
@@ -366,4 +366,7 @@ def test_kept_penalty_histories_change_no_output(
         results.append([g.choices() for g in got])
         assert engine.stats.spec_accepted_tokens > 0
         assert engine.pool.num_free == engine.pool.num_blocks
+        assert engine.penalty_table.rows_held == 0  # every row gave its place back
+        if keep:
+            assert engine.penalty_table.tokens.shape[0] > 0  # and the rows had places
     assert results[0] == results[1]

@@ -32,6 +32,7 @@ class Endings:
         seq.request.rows.remove(seq)
         seq.request.done_rows.append(seq)
         self.scheduler.release_row(seq)
+        seq.release_penalties()
 
     def finish_row(self, seq: Sequence, reason: str, appended: bool = True) -> None:
         """The row's ending is known: tell it (the request's last output once no row of it is
@@ -54,6 +55,8 @@ class Endings:
         sees its last output, so metrics are never behind the responses)."""
         req.finished = True
         self.prompt_scoring.discard(req)
+        for seq in req.rows:
+            seq.release_penalties()
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
         self.recorder.request_end(req, reason)

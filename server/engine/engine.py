@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from decoding.penalty_table import PenaltyTable
 from decoding.sampling import KeptRowTensors
 from server.engine.applying import ChoiceApplier
 from server.engine.block_pool import BlockPool
@@ -83,6 +84,7 @@ class Engine:
         )  # fmt: skip
         self.plans = PlanBuilder(runner.block_size, lora=self.lora is not None)
         self.kept_rows = KeptRowTensors()  # sampling tensors of the rows' params, step to step
+        self.penalty_table = PenaltyTable(runner.device)  # penalized rows' tokens, step to step
         self.eos_token_ids = eos_token_ids(runner.model, tokenizer)
         self.output = OutputProcessor(tokenizer, self.max_model_len)
         self.recorder = StatsRecorder(self.pool, None)
@@ -266,7 +268,9 @@ class Engine:
                 return
         rows, index = self.scheduler.fork_first_samples([item.seq for item in sampling])
         batch = VerifyBatch(sampling, rows, index)  # one position per logits row (speculation)
-        pending, logits = batch.choose(logits, self.eos_token_ids, self.kept_rows)
+        pending, logits = batch.choose(
+            logits, self.eos_token_ids, self.kept_rows, self.penalty_table
+        )
         if self.async_scheduling and InFlight.can_overlap(batch):  # read once the next is queued
             if reused:
                 pending.keep_logits()

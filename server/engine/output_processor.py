@@ -212,7 +212,7 @@ def _drop_after(seq: Sequence, position: int) -> None:
     dropped = len(seq.token_ids) - position - 1
     if dropped > 0:
         del seq.token_ids[position + 1 :]
-        seq.penalties = None  # it counted them
+        seq.release_penalties()  # it counted them
         del seq.logprobs[seq.num_output :]
         seq.request.generated_tokens -= dropped  # what its usage and metrics report
 

@@ -16,7 +16,7 @@ import torch
 
 from decoding import BeamSearch, DecodingParams, GroupBeamSearch, make_beam_search
 from decoding.constraints import TokenConstraint
-from decoding.processors import PenaltyHistory
+from decoding.penalty_table import PenaltyRow
 from decoding.random_streams import random_key, sibling_key, stream_key
 from decoding.speculation import RowDrafts
 from server.engine.detokenizer import IncrementalDetokenizer
@@ -154,7 +154,7 @@ class Sequence:
     drafts: RowDrafts | None = None  # n-gram speculation (made at its first draft; forks anew)
     # the penalties' view of its tokens, made at its first penalized step and kept up to date by
     # every commit (decoding/processors.py); None again when tokens are taken back
-    penalties: PenaltyHistory | None = None
+    penalties: PenaltyRow | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -177,6 +177,12 @@ class Sequence:
     def lora_slot(self) -> int:
         """The device slot of its request's LoRA adapter (NO_ADAPTER: the base model)."""
         return self.request.lora_slot
+
+    def release_penalties(self) -> None:
+        """Give its penalty table row back (made anew at its next penalized step)."""
+        if self.penalties is not None:
+            self.penalties.release()
+            self.penalties = None
 
     @property
     def stream_key(self) -> int:

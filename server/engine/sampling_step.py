@@ -6,7 +6,8 @@ warpers) and a token is chosen per row; rows whose request asked for logprobs (b
 beams.py keeps theirs) get the raw model's logprob of that token and its top alternatives.
 All of it is queued on the device (`choose_on_device`) and read back in one go (`read`), at once
 or, with async scheduling, once the next step's forward is queued (in_flight.py). Penalized rows
-keep their penalty state between steps (`Sequence.penalties`).
+keep their penalty state between steps (`Sequence.penalties`, a row of the engine's
+`PenaltyTable`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from decoding.constraints import (
     read_dead_rows,
 )
 from decoding.params import DecodingParams
-from decoding.processors import PenaltyHistory, uses_penalty_history
+from decoding.penalty_table import PenaltyRow, PenaltyTable
+from decoding.processors import uses_penalty_history
 from decoding.random_streams import RandomStreams
 from decoding.sampling import Draw, KeptRowTensors, draw, draw_values, settle
 from decoding.transfer import to_device
@@ -50,7 +52,7 @@ class ChoosingRow(Protocol):
 
     request: EngineRequest
     constraint: TokenConstraint | None
-    penalties: PenaltyHistory | None
+    penalties: PenaltyRow | None
 
     @property
     def output_ids(self) -> list[int]: ...
@@ -169,9 +171,11 @@ def choose_on_device(
     logits: torch.Tensor,
     eos_ids: frozenset[int],
     kept: KeptRowTensors | None = None,
+    table: PenaltyTable | None = None,
 ) -> PendingChoices:
     """Process `logits` [R, V] of `rows` and choose each row's next token, on the device;
-    `kept`: the params-only tensors of the last step, reused when its rows' params match."""
+    `kept`: the params-only tensors of the last step, reused when its rows' params match;
+    `table`: where penalized rows keep their tokens between steps (None: rebuilt each step)."""
     params = [s.request.params for s in rows]
     vocab = logits.shape[-1]
     mask, mask_seconds = None, None
@@ -195,7 +199,7 @@ def choose_on_device(
         vocab,
         logits.device,
         constraint=mask,
-        penalty_histories=penalty_histories(rows, params),
+        penalty_rows=penalty_rows(rows, params, table),
         kept=kept,
     )
     beam_only = all(p.is_beam for p in params)  # beams take their tokens from their searches
@@ -229,17 +233,17 @@ class OutputIds(Rows[list[int]]):
         return self.rows[r].output_ids
 
 
-def penalty_histories(
-    rows: Rows[ChoosingRow], params: list[DecodingParams]
-) -> list[PenaltyHistory | None] | None:
-    """Each penalized row's kept penalty state, made at its first penalized step (a `Sequence`;
+def penalty_rows(
+    rows: Rows[ChoosingRow], params: list[DecodingParams], table: PenaltyTable | None
+) -> list[PenaltyRow | None] | None:
+    """Each penalized row's place in `table`, made at its first penalized step (a `Sequence`;
     a draft position reads its lists)."""
-    if not any(uses_penalty_history(p) for p in params):
+    if table is None or not any(uses_penalty_history(p) for p in params):
         return None
-    out: list[PenaltyHistory | None] = []
+    out: list[PenaltyRow | None] = []
     for row, p in zip(rows, params):
         if row.penalties is None and isinstance(row, Sequence) and uses_penalty_history(p):
-            row.penalties = PenaltyHistory(row.request.prompt_ids, row.output_ids)
+            row.penalties = table.add(row.request.prompt_ids, row.output_ids)
         out.append(row.penalties)
     return out
 

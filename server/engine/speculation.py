@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.constraints import TokenConstraint
-from decoding.processors import PenaltyHistory
+from decoding.penalty_table import PenaltyRow, PenaltyTable
 from decoding.sampling import KeptRowTensors
 from decoding.speculation import DraftLength, RowDrafts, accepted_length
 from decoding.transfer import to_device
@@ -43,7 +43,7 @@ class DraftPosition:
     output_ids: list[int]
     constraint: TokenConstraint | None
     stream_key: int  # its row's: the position draws number len(output_ids) of that stream
-    penalties: PenaltyHistory | None = None  # always None: a draft position is made per step,
+    penalties: PenaltyRow | None = None  # always None: a draft position is made per step,
     # its penalties read `output_ids`
 
     @property
@@ -147,14 +147,19 @@ class VerifyBatch:
         self.logits_index = None if identity else logits_rows
 
     def choose(
-        self, logits: torch.Tensor, eos_ids: frozenset[int], kept: KeptRowTensors | None = None
+        self,
+        logits: torch.Tensor,
+        eos_ids: frozenset[int],
+        kept: KeptRowTensors | None = None,
+        table: PenaltyTable | None = None,
     ) -> tuple[PendingChoices, torch.Tensor]:
         """A token at every position, on the device (sampling_step.choose_on_device), and the
-        positions' logits; `kept`: the engine's params-only tensors of the last step."""
+        positions' logits; `kept`: the engine's params-only tensors of the last step, `table`:
+        its penalized rows' tokens."""
         if self.logits_index is not None:
             index = to_device(self.logits_index, logits.device, torch.long)
             logits = logits.index_select(0, index)
-        return choose_on_device(self.positions, logits, eos_ids, kept), logits
+        return choose_on_device(self.positions, logits, eos_ids, kept, table), logits
 
     def span(self, rows: slice) -> slice:
         """The positions of rows `rows` (rows without drafts: beams)."""
