@@ -108,7 +108,9 @@ class OutputProcessor:
             _drop_after(seq, position)
             return "stop"
         if reason is None:
-            ready = len(text.detok.text) - holdback(params.stop)
+            ready = len(text.detok.text)
+            if params.stop:
+                ready -= holdback(params.stop)
             delta = ""
             if ready > text.sent:
                 delta, text.sent = text.detok.text[text.sent : ready], ready
