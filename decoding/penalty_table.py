@@ -60,13 +60,23 @@ class TablePenalties:
     def apply_(self, scores: torch.Tensor) -> None:
         """The repetition penalty on every distinct token, then presence and frequency on the
         output ones, as processors.py's pairs would apply them (the same float operations)."""
-        rows = scores[self.rows]
-        old = rows.gather(1, self.tokens)
+        # only these entries are read and written (a copy of the rows' scores would cost [P, V]),
+        # through flat indices where the scores are contiguous: half the time of a 2-D index
+        rows = self.rows.unsqueeze(1)
+        flat = None
+        if scores.is_contiguous():
+            flat = (rows * scores.shape[1] + self.tokens).view(-1)
+            old = scores.view(-1).index_select(0, flat).view_as(self.tokens)
+        else:
+            old = scores[rows, self.tokens]
         new = torch.where(old < 0, old * self.repetition, old / self.repetition)
         penalty = (self.frequency * self.counts + self.presence).float()
         new = torch.where(self.counts > 0, new + -penalty, new)
         new = torch.where(self.valid, new, new[:, :1])  # padding writes its row's first entry
-        scores[self.rows] = rows.scatter(1, self.tokens, new)
+        if flat is not None:
+            scores.view(-1).index_copy_(0, flat, new.view(-1))
+        else:
+            scores[rows.expand_as(self.tokens), self.tokens] = new
 
 
 class PenaltyTable:

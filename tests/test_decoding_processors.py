@@ -329,6 +329,13 @@ def test_rows_kept_in_a_penalty_table_process_scores_as_their_token_lists_do(see
             params, prompts, outputs, EOS, vocab, "cpu", penalty_rows=kept
         )
         assert torch.equal(process_logits(logits, from_kept), process_logits(logits, rebuilt))
+    assert from_kept.processors.kept is not None  # the same entries through a strided view:
+    strided = logits.t().contiguous().t()
+    assert not strided.is_contiguous()
+    from_kept.processors.kept.apply_(strided)
+    flat = logits.clone()
+    from_kept.processors.kept.apply_(flat)
+    assert torch.equal(strided, flat)
     assert table.rows_held == rows - 1
     for state in kept:
         if state is not None:
