@@ -171,3 +171,23 @@ def test_a_steady_batch_keeps_its_sampling_tensors_and_draws_what_a_fresh_build_
         if kept is None:
             assert engine.kept_rows.hits >= 10
     assert outputs[0] == outputs[1]
+
+
+def test_penalized_rows_give_their_penalty_table_slots_back(llama_dir: Path) -> None:
+    """Beam rows (re-forked every step), `n` rows and an aborted request, all penalized, hold
+    slots of the engine's penalty table while they run and none once they are done."""
+    engine = make_engine(llama_dir)
+    for i in range(2):
+        prompt = [5, 6, 7, 8 + i]
+        beams = DecodingParams(max_tokens=12, num_beams=3, repetition_penalty=1.3)
+        sampled = DecodingParams(max_tokens=12, temperature=0.7, n=2, presence_penalty=0.5, seed=i)
+        submit(engine, f"beams-{i}", prompt, beams)
+        submit(engine, f"n-{i}", prompt, sampled)
+    submit(engine, "victim", [9, 9, 9], DecodingParams(max_tokens=50, frequency_penalty=0.4))
+    for _ in range(4):
+        engine.step()
+    assert engine.penalty_table.rows_held > 0
+    engine.abort("victim")
+    run_to_completion(engine)
+    assert engine.penalty_table.rows_held == 0
+    assert engine.pool.num_free == engine.pool.num_blocks
