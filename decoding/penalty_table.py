@@ -40,9 +40,8 @@ class PenaltyRow:
     def release(self) -> None:
         self.table.release(self)
 
-    def __del__(self) -> None:  # a row dropped without release (an aborted request) frees its slot
-        if self.slot is not None:
-            self.table.release(self)
+    def __del__(self) -> None:  # a row dropped without release (a replaced beam) frees its slot
+        self.release()
 
 
 @dataclass
@@ -50,9 +49,10 @@ class TablePenalties:
     """A step's penalties for the rows kept in a table: gathered once per step."""
 
     rows: torch.Tensor  # [P] long: the rows of the step's scores
-    tokens: torch.Tensor  # [P, W] long: each row's distinct tokens (past its length: its first)
-    counts: torch.Tensor  # [P, W] float64: their output counts (0 past its length)
-    valid: torch.Tensor  # [P, W] bool: within the row's length
+    # [P, W]: each row's distinct tokens and their output counts; past a row's length its last
+    # entry again, so a padding entry computes and writes exactly what that entry does
+    tokens: torch.Tensor  # long
+    counts: torch.Tensor  # float64
     repetition: torch.Tensor  # [P, 1] float32 (1.0: none)
     frequency: torch.Tensor  # [P, 1] float64
     presence: torch.Tensor  # [P, 1] float64
@@ -72,7 +72,6 @@ class TablePenalties:
         new = torch.where(old < 0, old * self.repetition, old / self.repetition)
         penalty = (self.frequency * self.counts + self.presence).float()
         new = torch.where(self.counts > 0, new + -penalty, new)
-        new = torch.where(self.valid, new, new[:, :1])  # padding writes its row's first entry
         if flat is not None:
             scores.view(-1).index_copy_(0, flat, new.view(-1))
         else:
@@ -158,23 +157,21 @@ class PenaltyTable:
         frequency: Sequence[float],
         presence: Sequence[float],
     ) -> TablePenalties:
-        """The step's penalties of score rows `rows`, whose kept state is `kept`."""
+        """The step's penalties of score rows `rows`, whose kept state is `kept` (rows with at
+        least one token: `PenaltyRow.columns` not empty)."""
         self.flush()
         slots = [row.slot for row in kept if row.slot is not None]
         assert len(slots) == len(kept), "a released penalty row was gathered"
         lengths = [self.lengths[s] for s in slots]
         width = max(lengths)
         index = to_device([*rows, *slots, *lengths], self.device, torch.long).view(3, -1)
-        tokens = self.tokens[index[1], :width]
-        counts = self.counts[index[1], :width]
-        valid = torch.arange(width, device=self.device) < index[2].unsqueeze(1)
-        tokens = torch.where(valid, tokens, tokens[:, :1])
+        slot = index[1].unsqueeze(1)
+        column = torch.minimum(torch.arange(width, device=self.device), index[2].unsqueeze(1) - 1)
         f32, f64 = torch.float32, torch.float64
         return TablePenalties(
             rows=index[0],
-            tokens=tokens,
-            counts=counts.masked_fill(~valid, 0.0),
-            valid=valid,
+            tokens=self.tokens[slot, column],
+            counts=self.counts[slot, column],
             repetition=to_device(repetition, self.device, f32).unsqueeze(1),
             frequency=to_device(frequency, self.device, f64).unsqueeze(1),
             presence=to_device(presence, self.device, f64).unsqueeze(1),

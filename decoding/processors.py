@@ -133,7 +133,7 @@ def _pairs(
     return Pairs(to_device(rows, device), to_device(tokens, device), to_device(values, device))
 
 
-def uses_penalty_history(p: DecodingParams) -> bool:
+def uses_penalties(p: DecodingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
@@ -170,8 +170,9 @@ def build_processor_tensors(
         if p.logit_bias:
             bias.add(r, list(p.logit_bias), list(p.logit_bias.values()))
         state = penalty_rows[r] if penalty_rows is not None else None
-        if state is not None and uses_penalty_history(p):
-            kept.append((r, state, p))
+        if state is not None and uses_penalties(p):
+            if state.columns:  # a row with no token yet has nothing to penalize
+                kept.append((r, state, p))
         elif p.repetition_penalty != 1.0:  # repeated tokens are harmless: equal writes of a value
             repetition.add(r, [*prompt_ids[r], *output_ids[r]], p.repetition_penalty)
         if state is None and (p.presence_penalty or p.frequency_penalty):

@@ -60,9 +60,9 @@ def sibling_key(key: int, index: int) -> int:
     return _signed(_splitmix64((key + index * GOLDEN64) & MASK64))
 
 
-def random_key(generator: torch.Generator | None = None) -> int:
-    """A key for an unseeded request, from torch's global generator (or `generator`)."""
-    return int(torch.randint(-(1 << 63), (1 << 63) - 1, (), generator=generator))
+def random_key() -> int:
+    """A key for an unseeded request, from torch's global generator."""
+    return int(torch.randint(-(1 << 63), (1 << 63) - 1, ()))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

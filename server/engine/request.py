@@ -152,8 +152,8 @@ class Sequence:
     text: SequenceText | None = None  # streaming rows only (see output_processor.py)
     constraint: TokenConstraint | None = None  # this row's own state (decoding/constraints.py)
     drafts: RowDrafts | None = None  # n-gram speculation (made at its first draft; forks anew)
-    # the penalties' view of its tokens, made at its first penalized step and kept up to date by
-    # every commit (decoding/processors.py); None again when tokens are taken back
+    # its slot of the engine's penalty table, made at its first penalized step and kept up to
+    # date by every commit (decoding/penalty_table.py); None again when tokens are taken back
     penalties: PenaltyRow | None = None
 
     @property

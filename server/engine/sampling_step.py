@@ -29,7 +29,7 @@ from decoding.constraints import (
 )
 from decoding.params import DecodingParams
 from decoding.penalty_table import PenaltyRow, PenaltyTable
-from decoding.processors import uses_penalty_history
+from decoding.processors import uses_penalties
 from decoding.random_streams import RandomStreams
 from decoding.sampling import Draw, KeptRowTensors, draw, draw_values, settle
 from decoding.transfer import to_device
@@ -238,11 +238,11 @@ def penalty_rows(
 ) -> list[PenaltyRow | None] | None:
     """Each penalized row's place in `table`, made at its first penalized step (a `Sequence`;
     a draft position reads its lists)."""
-    if table is None or not any(uses_penalty_history(p) for p in params):
+    if table is None or not any(uses_penalties(p) for p in params):
         return None
     out: list[PenaltyRow | None] = []
     for row, p in zip(rows, params):
-        if row.penalties is None and isinstance(row, Sequence) and uses_penalty_history(p):
+        if row.penalties is None and isinstance(row, Sequence) and uses_penalties(p):
             row.penalties = table.add(row.request.prompt_ids, row.output_ids)
         out.append(row.penalties)
     return out
