@@ -151,6 +151,20 @@ def _chunk_text(payload: dict) -> str:
     return (choice.get("delta") or {}).get("content") or ""
 
 
+MIN_LEVEL_REQUESTS = 8  # a level's floor under --rounds: enough for a p50 at c = 1
+
+
+def level_requests(
+    requests: Sequence[BenchRequest], concurrency: int, rounds: int | None
+) -> Sequence[BenchRequest]:
+    """The requests one concurrency level runs: all of them, or with `rounds` the first
+    rounds x concurrency (at least MIN_LEVEL_REQUESTS), so that c = 1 does not take as long as
+    the whole workload in series while high levels still fill every slot."""
+    if not rounds:
+        return requests
+    return requests[: max(MIN_LEVEL_REQUESTS, rounds * concurrency)]
+
+
 async def run_concurrency(
     target: CompletionTarget, requests: Sequence[BenchRequest], concurrency: int, desc: str = ""
 ) -> tuple[list[RequestResult], float]:

@@ -12,7 +12,8 @@ what breaks there, and leave the time to run again):
   and serving at c = 1 and 16 (32 requests) against HF `generate()` static batching, beamline as
   it starts on CUDA (paged kernel, start-up CUDA graphs, overlapped outputs, async scheduling);
 - full: every model-running test (KIT_TESTS), then Llama-3.2-1B and Llama-3.1-8B shapes: host
-  time at 16, 64 and 256 rows, serving at c = 1, 16, 64, 256 (256 requests): the default, plain
+  time at 16, 64 and 256 rows, serving at c = 1, 16, 64, 256 (2 rounds of each level: 8 requests
+  at c = 1, 256 at c = 256): the default, plain
   eager (`--no-cuda-graphs --overlap-outputs off --async-scheduling off`) and `--torch-compile`.
 
 Steps run in order, each in a process group of its own with a deadline (its share of `--budget`,
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
     return 0 if all(v == "ok" for v in status.values()) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, the plan's defaults filled in where it leaves them out."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="what comes back: 4 files")
     ap.add_argument("--plan", choices=sorted(PLANS), default="first-contact")
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", help="random_models.py shapes, comma list")
     ap.add_argument("--concurrency", help="serving levels, comma list")
     ap.add_argument("--num-requests", type=int)
+    ap.add_argument(
+        "--rounds", type=int, help="serving: each level c runs rounds x c requests (at least 8)"
+    )
     ap.add_argument("--output-tokens", help="MIN,MAX")
     ap.add_argument("--rows", help="engine_overhead row counts")
     ap.add_argument("--steps", type=int, help="engine_overhead timed steps per pair")
@@ -132,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args.shapes = (args.shapes or plan.shapes).split(",")
     args.concurrency = args.concurrency or plan.concurrency
     args.num_requests = args.num_requests or plan.num_requests
+    args.rounds = args.rounds or plan.rounds
     args.output_tokens = args.output_tokens or plan.output_tokens
     args.rows = args.rows or plan.rows
     args.steps = args.steps or plan.steps
@@ -139,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     args.tests = [t for t in tests if t.strip() and t.strip() != "none"]
     args.variants = plan.variants and not args.no_compile
     args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,19 @@ def machine_info() -> dict:
             info[mod] = __import__(mod).__version__
         except Exception:
             info[mod] = None
+    info["gpu"] = gpu_name()
     return info
+
+
+def gpu_name() -> str | None:
+    """The first CUDA device's name (GPU figures differ by card: an H100 and an H200 differ in
+    memory bandwidth), None without one."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:
+        return None
 
 
 def cpu_identity() -> str:

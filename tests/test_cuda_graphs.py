@@ -154,9 +154,14 @@ def test_graphs_need_the_paged_kernel(tiny_model_dirs: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize(("argv", "expected"), [([], True), (["--no-cuda-graphs"], False)])
 def test_cuda_graphs_flag_reaches_the_config(
-    argv: list[str], expected: bool, monkeypatch: pytest.MonkeyPatch
+    argv: list[str],
+    expected: bool,
+    tiny_model_dirs: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert served_config(argv, monkeypatch).cuda_graphs is expected
+    # A model is named: the default model's package is not installed on every machine (a GPU host).
+    model = str(tiny_model_dirs["llama"])
+    assert served_config([model, *argv], monkeypatch).cuda_graphs is expected
 
 
 def test_graphs_with_overlapped_outputs_give_the_same_streams(

@@ -121,3 +121,13 @@ def test_the_cli_parser_is_the_one_beamline_runs() -> None:
     assert parser.prog == "beamline"
     args = parser.parse_args(["serve", "--max-num-seqs", "3"])
     assert args.max_num_seqs == 3
+
+
+def test_the_published_index_names_the_gpu_a_result_ran_on() -> None:
+    """GPU figures differ by card (an H100's memory bandwidth is not an H200's): a result whose
+    machine records a GPU shows it beside the host CPU; a CPU run shows the CPU alone."""
+    from server.docgen.published import _host
+
+    assert _host({"machine": {"cpu": "Xeon", "gpu": "NVIDIA H100"}}) == "Xeon, GPU: NVIDIA H100"
+    assert _host({"machine": {"cpu": "Xeon", "gpu": None}}) == "Xeon"
+    assert _host({}) == "not recorded"

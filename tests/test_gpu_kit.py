@@ -11,6 +11,10 @@ import time
 from pathlib import Path
 
 from benchmarks import gpu_kit
+from benchmarks.client import level_requests
+from benchmarks.kit.steps import build_steps
+from benchmarks.serving.options import resolve_args
+from benchmarks.workload import BenchRequest
 from tests.reliability_helpers import process_gone
 
 
@@ -117,3 +121,21 @@ def test_what_a_finished_step_leaves_running_is_ended(tmp_path: Path) -> None:
     cmd = [sys.executable, "-c", CHILD, str(tmp_path), "exit"]
     assert gpu_kit.run_step(cmd, tmp_path / "step.log", {}, timeout_s=60.0) == (0, "ok")
     assert _gone(int((tmp_path / "grandchild").read_text()))
+
+
+def test_the_full_plan_serves_rounds_of_each_level_not_the_whole_workload_at_every_level(
+    tmp_path: Path,
+) -> None:
+    """All 256 requests at c = 1 of the eager variant took the whole serving step of an H100 run;
+    with 2 rounds each level runs 2 x c of the same requests (at least 8), every system alike."""
+    requests = [BenchRequest(i, f"p{i}", 8) for i in range(256)]
+    assert [len(level_requests(requests, c, 2)) for c in (1, 16, 64, 256)] == [8, 32, 128, 256]
+    assert level_requests(requests, 1, 2) == requests[:8]  # the workload's first ones, in order
+    assert len(level_requests(requests, 1, None)) == 256
+    args = gpu_kit.parse_args(["--out", str(tmp_path), "--plan", "full", "--shapes", "llama-1b"])
+    serve = next(s for s in build_steps(args, tmp_path, tmp_path / "models") if "serve" in s.name)
+    assert serve.cmd[serve.cmd.index("--rounds") + 1] == "2"
+    parsed = resolve_args(serve.cmd[serve.cmd.index("benchmarks.serve") + 1 :])
+    assert parsed.rounds == 2 and parsed.num_requests == 256
+    first = gpu_kit.parse_args(["--out", str(tmp_path)])
+    assert first.rounds is None  # first contact: its 32 requests at both levels

@@ -53,6 +53,7 @@ class Plan:
     shapes: str
     concurrency: str
     num_requests: int
+    rounds: int | None  # serving: each level c runs rounds x c of them (None: all, every level)
     output_tokens: str
     rows: str
     steps: int  # engine_overhead's timed steps per pair
@@ -66,6 +67,7 @@ PLANS = {
         shapes="llama-1b",
         concurrency="1,16",
         num_requests=32,
+        rounds=None,
         output_tokens="32,128",
         rows="16,64",
         steps=20,
@@ -77,6 +79,9 @@ PLANS = {
         shapes="llama-1b,llama-8b",
         concurrency="1,16,64,256",
         num_requests=256,
+        # All 256 at every level took the 2026-11-28 H100 run's whole serving step to c = 1 of the
+        # eager variant (about 1.3 s a request); 2 rounds: 8 requests at c = 1, 256 at c = 256.
+        rounds=2,
         output_tokens="32,128",
         rows="16,64,256",
         steps=20,

@@ -65,6 +65,8 @@ def build_steps(args: argparse.Namespace, work: Path, models: Path) -> list[Step
         cmd += ["--device", args.device, "--dtype", args.dtype, "--baselines", "hf-static"]
         cmd += ["--concurrency", args.concurrency, "--num-requests", str(args.num_requests)]
         cmd += ["--output-tokens", args.output_tokens, "--out-dir", str(folder), "--tag", "serve"]
+        if args.rounds:
+            cmd += ["--rounds", str(args.rounds)]
         cmd += ["--label", "beamline", f"--beamline-args={seqs.strip()}"]
         cmd += ["--launch-timeout", f"{min(300.0, args.budget / 2):.0f}"]  # compiling: minutes
         if args.variants:

@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 
+from benchmarks.client import level_requests
 from benchmarks.serving import hf_baseline, llama_server, llamacpp_baseline, vllm_cpu
 from benchmarks.serving.report import Run, SystemResult
 from benchmarks.serving.results import Progress, server_log_path
@@ -32,7 +33,9 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
         info = {"model_dir": str(hf.path), "dtype": hf.dtype, "load_s": hf.load_s}
         seq = None
         if "hf-sequential" in wants_hf:
-            res, dur = hf_baseline.run_static_batches(hf, reqs, 1, args.ignore_eos, "hf sequential")
+            res, dur = hf_baseline.run_static_batches(
+                hf, level_requests(reqs, 1, args.rounds), 1, args.ignore_eos, "hf sequential"
+            )
             seq = Run(1, summarize(res, dur))
             progress.add(
                 SystemResult(
@@ -59,7 +62,7 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
                         progress.add(static)
                     continue
                 res, dur = hf_baseline.run_static_batches(
-                    hf, reqs, c, args.ignore_eos, f"hf static b={c}"
+                    hf, level_requests(reqs, c, args.rounds), c, args.ignore_eos, f"hf static b={c}"
                 )
                 static.runs.append(Run(c, summarize(res, dur)))
                 progress.add(static)
@@ -75,7 +78,7 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
             skipped["llama-cpp"] = why
         else:
             runner = llamacpp_baseline.LlamaCppRunner(gguf, args.llama_threads, args.llama_n_ctx)
-            res, dur = runner.run_sequential(reqs, args.ignore_eos)
+            res, dur = runner.run_sequential(level_requests(reqs, 1, args.rounds), args.ignore_eos)
             phases["llama_cpp"] = time.perf_counter() - t0
             progress.add(
                 SystemResult(
@@ -114,6 +117,7 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
                 args.llama_threads,
                 chat=workload.chat,
                 ngram=name == "llama-server-ngram",
+                rounds=args.rounds,
             )
             phases[name.replace("-", "_")] = time.perf_counter() - t0
             progress.add(result)
@@ -131,6 +135,7 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
                 chat=workload.chat,
                 threads_bind=args.vllm_threads_bind,
                 kv_cache_gib=args.vllm_kv_cache_gib,
+                rounds=args.rounds,
             )
             phases["vllm_cpu"] = time.perf_counter() - t0
             progress.add(result)

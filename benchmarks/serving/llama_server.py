@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from benchmarks.client import CompletionTarget, run_concurrency
+from benchmarks.client import CompletionTarget, level_requests, run_concurrency
 from benchmarks.launch import LaunchError, first_model_id, free_port, launched_command
 from benchmarks.serving.report import Run, SystemResult
 from benchmarks.stats import summarize
@@ -151,6 +151,7 @@ def measure(
     threads: int | None = None,
     chat: bool = False,
     ngram: bool = False,
+    rounds: int | None = None,
 ) -> SystemResult:
     """The closed-loop load at each concurrency level, each against a fresh llama-server with one
     slot per client (`chat`: the prompts as user messages; `ngram`: its n-gram speculation on)."""
@@ -170,6 +171,7 @@ def measure(
         with launched(binary, gguf, c, log_path, threads, extra=extra) as url:
             model = first_model_id(url)
             target = CompletionTarget(url, model, ignore_eos=ignore_eos, chat=chat)
-            res, dur = asyncio.run(run_concurrency(target, requests, c, f"{name} c={c}"))
+            reqs = level_requests(requests, c, rounds)
+            res, dur = asyncio.run(run_concurrency(target, reqs, c, f"{name} c={c}"))
         result.runs.append(Run(c, summarize(res, dur)))
     return result

@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-concurrency", type=int, help="cap on requests in flight with --request-rate"
     )
     load.add_argument(
+        "--rounds",
+        type=int,
+        help="each concurrency level c runs only the workload's first rounds x c requests "
+        "(at least 8), every system alike (default: all of them at every level)",
+    )
+    load.add_argument(
         "--warmup", type=int, default=1, help="unmeasured short requests before measuring"
     )
 

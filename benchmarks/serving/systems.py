@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.client import (
     CompletionTarget,
+    level_requests,
     make_client,
     run_concurrency,
     run_poisson,
@@ -46,9 +47,8 @@ async def bench_server(
     )
     for level in args.levels:
         if args.mode == "concurrency":
-            res, dur = await run_concurrency(
-                target, workload.requests, int(level), f"{label} c={level:g}"
-            )
+            requests = level_requests(workload.requests, int(level), args.rounds)
+            res, dur = await run_concurrency(target, requests, int(level), f"{label} c={level:g}")
         else:
             res, dur = await run_poisson(
                 target,

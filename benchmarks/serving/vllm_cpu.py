@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from benchmarks.client import CompletionTarget, run_concurrency
+from benchmarks.client import CompletionTarget, level_requests, run_concurrency
 from benchmarks.launch import LaunchError, first_model_id, free_port, launched_command
 from benchmarks.serving.report import Run, SystemResult
 from benchmarks.stats import summarize
@@ -129,6 +129,7 @@ def measure(
     chat: bool = False,
     threads_bind: str = DEFAULT_THREADS_BIND,
     kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
+    rounds: int | None = None,
 ) -> SystemResult:
     """The closed-loop load at each concurrency level against a fresh vLLM CPU server."""
     python = ensure_venv()
@@ -144,6 +145,7 @@ def measure(
         with launched(python, model_dir, c, log_path, threads_bind, kv_cache_gib) as url:
             model = first_model_id(url)
             target = CompletionTarget(url, model, ignore_eos=ignore_eos, chat=chat)
-            res, dur = asyncio.run(run_concurrency(target, requests, c, f"vllm-cpu c={c}"))
+            reqs = level_requests(requests, c, rounds)
+            res, dur = asyncio.run(run_concurrency(target, reqs, c, f"vllm-cpu c={c}"))
         result.runs.append(Run(c, summarize(res, dur)))
     return result

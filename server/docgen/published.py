@@ -38,7 +38,9 @@ def _host(doc: dict[str, Any]) -> str:
     machine = doc.get("machine")
     cpu = machine.get("cpu") if isinstance(machine, dict) else machine
     cpu = cpu or doc.get("host_cpu") or doc.get("host")
-    return str(cpu).replace("|", "\\|") if cpu else "not recorded"
+    gpu = machine.get("gpu") if isinstance(machine, dict) else None
+    host = f"{cpu}, GPU: {gpu}" if cpu and gpu else cpu or (f"GPU: {gpu}" if gpu else None)
+    return str(host).replace("|", "\\|") if host else "not recorded"
 
 
 def _command(doc: dict[str, Any]) -> str:
