@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -41,7 +42,13 @@ from decoding.processors import (
 )
 from decoding.random_streams import RandomStreams
 from decoding.transfer import to_device
-from decoding.warpers import WarperTensors, apply_warpers_, build_warper_tensors
+from decoding.warpers import (
+    WarperTensors,
+    WarperValues,
+    apply_warpers_,
+    warper_tensors,
+    warper_values,
+)
 
 
 @dataclass
@@ -86,9 +93,11 @@ class SamplingTensors:
         processors = build_processor_tensors(
             params, prompt_ids, output_ids, eos_ids, vocab_size, device, penalty_rows
         )
-        context = (eos_ids, vocab_size, str(device))
-        build = lambda: RowTensors.of(params, eos_ids, vocab_size, device)  # noqa: E731
-        by_params = kept.tensors(params, context, build) if kept is not None else build()
+        by_params = (
+            kept.tensors(params, eos_ids, vocab_size, device)
+            if kept is not None
+            else RowTensors.of(params, eos_ids, vocab_size, device)
+        )
         warpers = by_params.warpers
         return cls(
             num_rows=len(params),
@@ -100,6 +109,35 @@ class SamplingTensors:
             sample_row_list=by_params.sample_row_list,
             logprob_rows=by_params.logprob_rows,
             constraint=constraint,
+        )
+
+
+@dataclass(slots=True, eq=False)  # compared by identity: `None in rows` stays fast
+class RowRecord:
+    """What one request's params give each of its rows, worked out once per request (a step that
+    rebuilds its `RowTensors` reads these, not every row's params again)."""
+
+    beam: bool  # scored as log-probs (beam strategies)
+    drawn: bool  # draws a token at random (sample, best_of)
+    min_keep: int  # HF's min_tokens_to_keep for the warpers
+    logprobs: bool  # a non-beam row that asked for logprobs or rank samples (best_of)
+    warpers: WarperValues | None  # None: no warper acts on the row
+    params: DecodingParams  # held, so that its id stays its own while the record is kept
+
+    @classmethod
+    def of(
+        cls, p: DecodingParams, eos_ids: Sequence[int] | frozenset[int], vocab_size: int
+    ) -> RowRecord:
+        s = p.strategy
+        drawn = s in ("sample", "best_of")
+        min_keep = len(p.finishing_ids(eos_ids)) + 1 if s == "beam_sample" else 1
+        return cls(
+            beam=s in BEAM_STRATEGIES,
+            drawn=drawn,
+            min_keep=min_keep,
+            logprobs=s not in BEAM_STRATEGIES and (p.logprobs is not None or s == "best_of"),
+            warpers=warper_values(p, min_keep, vocab_size) if drawn or s == "beam_sample" else None,
+            params=p,
         )
 
 
@@ -122,51 +160,50 @@ class RowTensors:
         vocab_size: int,
         device: torch.device | str,
     ) -> RowTensors:
-        strategies = [p.strategy for p in params]
-        beam = [s in BEAM_STRATEGIES for s in strategies]
-        drawn = [s in ("sample", "best_of") for s in strategies]
-        warped = [d or s == "beam_sample" for d, s in zip(drawn, strategies)]
-        min_keep = [
-            len(p.finishing_ids(eos_ids)) + 1 if s == "beam_sample" else 1
-            for p, s in zip(params, strategies)
-        ]
-        sample_list = [r for r, d in enumerate(drawn) if d]
-        beam_list = [r for r, b in enumerate(beam) if b]
+        return cls.of_records([RowRecord.of(p, eos_ids, vocab_size) for p in params], device)
+
+    @classmethod
+    def of_records(cls, records: Sequence[RowRecord], device: torch.device | str) -> RowTensors:
+        sample_list = [r for r, rec in enumerate(records) if rec.drawn]
+        beam_list = [r for r, rec in enumerate(records) if rec.beam]
         return cls(
-            warpers=build_warper_tensors(params, warped, min_keep, vocab_size, device),
+            warpers=warper_tensors(
+                [rec.warpers for rec in records], [rec.min_keep for rec in records], device
+            ),
             beam_rows=to_device(beam_list, device, torch.long) if beam_list else None,
             sample_rows=to_device(sample_list, device, torch.long) if sample_list else None,
             sample_row_list=sample_list,
-            logprob_rows=[
-                r
-                for r, (p, s) in enumerate(zip(params, strategies))
-                if s not in BEAM_STRATEGIES and (p.logprobs is not None or s == "best_of")
-            ],
+            logprob_rows=[r for r, rec in enumerate(records) if rec.logprobs],
         )
 
 
 class KeptRowTensors:
     """The last step's `RowTensors`, kept for the next: in the steady state the same requests'
     rows sample step after step, and their warper values and row lists are built once, not from
-    every row's params at every step. Params are compared by identity (a request's
-    `DecodingParams` is one frozen object for all its rows), and the kept list holds them, so an
-    id cannot be reused by another request while it is kept."""
+    every row's params at every step. When the rows change (a request joins or leaves), the new
+    tensors are built from each request's `RowRecord`, worked out once while the request runs.
+    Params are compared by identity (a request's `DecodingParams` is one frozen object for all
+    its rows), and the kept list and records hold them, so an id cannot be reused by another
+    request while it is kept."""
 
     def __init__(self) -> None:
         self._params: list[DecodingParams] = []
         self._context: tuple[object, ...] = ()
         self._tensors: RowTensors | None = None
+        self._records: dict[int, RowRecord] = {}  # by id(params); a record holds its params
         self.hits = 0  # steps that reused the kept tensors
 
     def tensors(
         self,
         params: Sequence[DecodingParams],
-        context: tuple[object, ...],
-        build: Callable[[], RowTensors],
+        eos_ids: Sequence[int] | frozenset[int],
+        vocab_size: int,
+        device: torch.device | str,
     ) -> RowTensors:
-        """The kept tensors when `params` (and the `context`: EOS ids, vocabulary, device) are
-        the last step's, else `build()`'s, kept for the next step."""
+        """The kept tensors when `params` (and the EOS ids, vocabulary and device) are the last
+        step's, else new ones, kept for the next step."""
         kept = self._params
+        context = (eos_ids, vocab_size, str(device))
         if (
             self._tensors is not None
             and len(kept) == len(params)
@@ -175,7 +212,21 @@ class KeptRowTensors:
         ):
             self.hits += 1
             return self._tensors
-        self._params, self._context, self._tensors = list(params), context, build()
+        if self._context != context:
+            self._records = {}
+        records = self._records
+        found = list(map(records.get, map(id, params)))  # one C loop: most rows' are there
+        if None in found:
+            for r, p in enumerate(params):
+                if found[r] is None:
+                    found[r] = records[id(p)] = records.get(id(p)) or RowRecord.of(
+                        p, eos_ids, vocab_size
+                    )
+        rows = cast("list[RowRecord]", found)
+        if len(records) > 2 * len(params) + 64:  # finished requests' records go, now and then
+            self._records = {id(rec.params): rec for rec in rows}
+        self._params, self._context = list(params), context
+        self._tensors = RowTensors.of_records(rows, device)
         return self._tensors
 
 

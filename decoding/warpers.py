@@ -68,6 +68,22 @@ class WarperTensors:
     unsure: torch.Tensor | None = None
 
 
+WarperValues = tuple[float | None, int | None, float | None, float | None, float | None]
+_OFF: WarperValues = (None, None, None, None, None)  # a row no warper acts on
+
+
+def warper_values(p: DecodingParams, min_keep: int, vocab_size: int) -> WarperValues:
+    """One warped row's value for each warper, in `WarperTensors`' field order (None: that warper
+    is off for the row). A request's rows share them: callers compute them once per request."""
+    return (
+        p.temperature if p.temperature != 1.0 else None,
+        min(max(p.top_k, min_keep), vocab_size) if 0 < p.top_k < vocab_size else None,
+        p.top_p if p.top_p < 1.0 else None,
+        p.min_p if p.min_p > 0.0 else None,
+        p.typical_p if p.typical_p < 1.0 else None,
+    )
+
+
 def build_warper_tensors(
     params: Sequence[DecodingParams],
     warped: Sequence[bool],
@@ -76,42 +92,58 @@ def build_warper_tensors(
     device: torch.device | str,
 ) -> WarperTensors | None:
     """Warper rows among those flagged in `warped`; None when no row needs any warper."""
-    if not any(warped):
-        return None
+    values = [
+        warper_values(p, k, vocab_size) if w else None for p, w, k in zip(params, warped, min_keep)
+    ]
+    return warper_tensors(values, min_keep, device)
 
-    def select(
-        value: Callable[[DecodingParams, int], float | None], dtype: torch.dtype
-    ) -> RowParams | None:
-        """Rows whose `value(params, min_keep)` is not None (None: this warper is off there)."""
-        chosen = [
-            (r, v)
-            for r, w in enumerate(warped)
-            if w and (v := value(params[r], min_keep[r])) is not None
-        ]
-        if not chosen:
+
+def warper_tensors(
+    values: Sequence[WarperValues | None],
+    min_keep: Sequence[int],
+    device: torch.device | str,
+) -> WarperTensors | None:
+    """The tensors of rows' `warper_values` (None: a row no warper acts on); None when no row
+    needs any warper."""
+    if not any(row is not None for row in values):
+        return None
+    columns = list(zip(*(row or _OFF for row in values)))  # each warper's value per row
+
+    def select(field: int, dtype: torch.dtype) -> RowParams | None:
+        """Rows whose value for warper `field` is not None."""
+        column = columns[field]
+        if column.count(None) == len(column):  # off on every row
             return None
-        rows, values = zip(*chosen)
-        tensor = to_device(values, device, dtype)
+        if None not in column:  # every row (the common batch): no per-row work in Python
+            rows: Sequence[int] = range(len(column))
+            picked: Sequence[float | int] = column
+            keep: Sequence[int] = min_keep
+        else:
+            rows = [r for r, v in enumerate(column) if v is not None]
+            picked, keep = [column[r] for r in rows], [min_keep[r] for r in rows]
+        every_row = len(rows) == len(values)
+        tensor = to_device(picked, device, dtype)
         return RowParams(
-            rows=to_device(rows, device, torch.long),
+            rows=(
+                torch.arange(len(rows), device=device)
+                if every_row
+                else to_device(rows, device, torch.long)
+            ),
             values=tensor if dtype == torch.long else tensor.unsqueeze(1),
-            min_keep=to_device([min_keep[r] for r in rows], device, torch.long),
-            every_row=len(rows) == len(params),
-            largest=max(values),
-            max_keep=max(min_keep[r] for r in rows),
-            row_list=rows,
+            min_keep=to_device(keep, device, torch.long),
+            every_row=every_row,
+            largest=max(picked),
+            max_keep=max(keep),
+            row_list=tuple(rows),
         )
 
     f32 = torch.float32
     t = WarperTensors(
-        temperature=select(lambda p, k: p.temperature if p.temperature != 1.0 else None, f32),
-        top_k=select(
-            lambda p, k: min(max(p.top_k, k), vocab_size) if 0 < p.top_k < vocab_size else None,
-            torch.long,
-        ),
-        top_p=select(lambda p, k: p.top_p if p.top_p < 1.0 else None, f32),
-        min_p=select(lambda p, k: p.min_p if p.min_p > 0.0 else None, f32),
-        typical_p=select(lambda p, k: p.typical_p if p.typical_p < 1.0 else None, f32),
+        temperature=select(0, f32),
+        top_k=select(1, torch.long),
+        top_p=select(2, f32),
+        min_p=select(3, f32),
+        typical_p=select(4, f32),
     )
     return None if all(v is None for v in vars(t).values()) else t
 

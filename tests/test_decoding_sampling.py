@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from decoding import (
     DecodingParams,
@@ -18,7 +20,7 @@ from decoding import (
     token_logprobs,
 )
 from decoding.random_streams import RandomStreams, random_key, sibling_key, stream_key
-from decoding.sampling import KeptRowTensors
+from decoding.sampling import KeptRowTensors, RowRecord, RowTensors
 
 V = 50
 EOS = frozenset({2})
@@ -338,3 +340,68 @@ def test_kept_row_tensors_draw_the_tokens_a_fresh_build_draws() -> None:
             tokens[use_kept].append(sample(logits, t, streams)[1])
     assert kept.hits == 3
     assert tokens[1] == tokens[0]
+
+
+KINDS_OF_REQUEST = (
+    lambda: DecodingParams(temperature=0.0),
+    lambda: DecodingParams(temperature=0.0, logprobs=1),
+    lambda: DecodingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3),
+    lambda: DecodingParams(temperature=1.2, min_p=0.1, logprobs=2),
+    lambda: DecodingParams(temperature=1.0, typical_p=0.8, seed=3),
+    lambda: DecodingParams(temperature=0.9, top_k=70),  # k past the vocabulary: top-k is off
+    lambda: DecodingParams(temperature=0.8, n=2, best_of=3),
+    lambda: DecodingParams(num_beams=2),
+    lambda: DecodingParams(
+        num_beams=2, do_sample=True, temperature=0.9, top_k=3, stop_token_ids=[7]
+    ),
+    lambda: DecodingParams(num_beams=4, num_beam_groups=2, diversity_penalty=0.5),
+)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["join", "leave", "fork", "reorder", "same"]),
+            st.integers(0, len(KINDS_OF_REQUEST) - 1),
+            st.integers(1, 3),
+        ),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_kept_row_tensors_through_joins_leaves_forks_and_reorders_equal_a_fresh_build(
+    changes: list[tuple[str, int, int]],
+) -> None:
+    """Step by step, requests joining (with 1-3 rows), leaving, forking a row (`n`, beams),
+    the rows reordered or unchanged: the kept tensors always equal ones built from the rows'
+    params anew, and a request's record is worked out once while it runs."""
+    kept = KeptRowTensors()
+    rows: list[DecodingParams] = []
+    built: list[DecodingParams] = []
+    of = RowRecord.of
+
+    def counting(p: DecodingParams, eos: frozenset[int], v: int) -> RowRecord:
+        built.append(p)
+        return of(p, eos, v)
+
+    RowRecord.of = counting  # type: ignore[method-assign]
+    try:
+        for change, kind, width in changes:
+            requests = list(dict.fromkeys(map(id, rows)))
+            if change == "join" or not rows:
+                rows += [KINDS_OF_REQUEST[kind]()] * width
+            elif change == "leave":
+                gone = requests[kind % len(requests)]
+                rows = [p for p in rows if id(p) != gone]
+            elif change == "fork":
+                r = kind % len(rows)
+                rows.insert(r, rows[r])
+            elif change == "reorder":
+                rows = rows[width:] + rows[:width]
+            got = kept.tensors(rows, EOS, V, "cpu")
+            fresh = RowTensors.of_records([of(p, EOS, V) for p in rows], "cpu")
+            assert _equal(got, fresh), change
+        assert len(built) == len(set(map(id, built)))  # never twice for one request
+    finally:
+        RowRecord.of = of  # type: ignore[method-assign]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from decoding import DecodingParams
-from decoding.sampling import KeptRowTensors
+from decoding.sampling import KeptRowTensors, RowTensors
 from tests.conftest import make_engine
 from tests.engine_driver import generate, run_to_completion, submit
 
@@ -144,8 +144,8 @@ def test_streamed_text_adds_up_to_the_decoded_tokens(llama_dir: Path) -> None:
 class NeverKept(KeptRowTensors):
     """Builds every step's params-only sampling tensors anew (the engine before it kept them)."""
 
-    def tensors(self, params, context, build):  # type: ignore[no-untyped-def]
-        return build()
+    def tensors(self, params, eos_ids, vocab_size, device):  # type: ignore[no-untyped-def]
+        return RowTensors.of(params, eos_ids, vocab_size, device)
 
 
 def test_a_steady_batch_keeps_its_sampling_tensors_and_draws_what_a_fresh_build_draws(
