@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.transfer import to_device
+from decoding.transfer import host_tensor, to_device
 
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
@@ -85,19 +85,23 @@ def uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RandomStreams:
-    """The sampling rows' streams in one step: row i's number is number `counters[i]` of stream
-    `keys[i]` (its key, and how many tokens it has output before this position)."""
+    """The sampling rows' numbers in one step: row i's is number `counters[i]` of stream `keys[i]`
+    (its key, and how many tokens it has output before this position).
 
-    keys: torch.Tensor  # [S] int64
-    counters: torch.Tensor  # [S] int64
+    The hash runs on the host, where the keys and counters are, and only the numbers go to the
+    device: on a GPU its ~30 element-wise ops over a few hundred values would each be a kernel
+    launch, which costs the host more than computing them there."""
+
+    values: torch.Tensor  # [S] float32, on the step's device
 
     @classmethod
     def of(
         cls, keys: Sequence[int], counters: Sequence[int], device: torch.device | str
     ) -> RandomStreams:
-        both = to_device([*keys, *counters], device, torch.long)  # one copy for both
-        return cls(both[: len(keys)], both[len(keys) :])
+        both = host_tensor([*keys, *counters], torch.long)
+        numbers = uniforms(both[: len(keys)], both[len(keys) :])
+        return cls(to_device(numbers, device))
 
     def draw(self) -> torch.Tensor:
         """[S, 1] float32: each row's number."""
-        return uniforms(self.keys, self.counters).unsqueeze(1)
+        return self.values.unsqueeze(1)

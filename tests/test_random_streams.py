@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from decoding.random_streams import (
     RandomStreams,
@@ -106,3 +107,44 @@ def test_a_step_draws_each_row_s_number_whatever_the_batch() -> None:
     for r in range(5):
         alone = RandomStreams.of([keys[r]], [counters[r]], "cpu").draw()
         assert torch.equal(alone[0], together[r])
+
+
+def test_a_step_s_numbers_are_the_hash_of_its_rows_keys_and_counters() -> None:
+    """`RandomStreams.of` hashes on the host and sends the numbers: each is `uniforms`' number for
+    its row, negative and 64-bit keys and counters past 2^32 included."""
+    keys = [stream_key(s) for s in (0, 1, -7, 2**70)] + [random_key() for _ in range(60)]
+    counters = [0, 1, 2**32 + 5, 123_456_789] + list(range(60))
+    got = RandomStreams.of(keys, counters, "cpu").draw()
+    assert got.shape == (64, 1) and got.dtype == torch.float32
+    assert torch.equal(got[:, 0], uniforms(torch.tensor(keys), torch.tensor(counters)))
+    assert RandomStreams.of([], [], "cpu").draw().shape == (0, 1)
+
+
+class DeviceOps(TorchDispatchMode):
+    """The ops that touch a tensor on `device` (on a GPU: the kernels launched there)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device, self.ops = device, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        if any(
+            t.device.type == self.device
+            for t in (*tensors, *results)
+            if isinstance(t, torch.Tensor)
+        ):
+            self.ops.append(str(func.overloadpacket))
+        return out
+
+
+def test_the_hash_runs_on_the_host_and_one_copy_takes_the_numbers_to_the_device() -> None:
+    """On a GPU each of the hash's ~30 element-wise ops would be a kernel launch; the step's
+    device sees one copy of the numbers ("meta" stands in for it here)."""
+    keys, counters = [stream_key(s) for s in range(16)], list(range(16))
+    with DeviceOps("meta") as seen:
+        numbers = RandomStreams.of(keys, counters, "meta").draw()
+    assert numbers.device.type == "meta" and numbers.shape == (16, 1)
+    assert seen.ops == ["aten._to_copy", "aten.unsqueeze"]  # the copy, then a view
