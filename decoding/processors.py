@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,16 +158,18 @@ def build_processor_tensors(
     vocab_size: int,
     device: torch.device | str,
     penalty_rows: Sequence[PenaltyRow | None] | None = None,
+    with_bias: bool = True,
 ) -> ProcessorTensors:
     """Per-row processor entries from each row's params and its prompt and output token ids (read
     only for the rows whose processors need them), the penalties from the row's table where
     `penalty_rows` has one (the same values, gathered on the device); fields stay None when no
-    row uses that processor."""
+    row uses that processor. `with_bias` False leaves the logit bias out: it depends on the
+    params alone, and the caller keeps it between steps (`logit_bias_pairs`)."""
     bias, repetition, bans = PairsBuilder(), PairsBuilder(), PairsBuilder()
     penalties = CountPairsBuilder()
     kept: list[tuple[int, PenaltyRow, DecodingParams]] = []
     for r, p in enumerate(params):
-        if p.logit_bias:
+        if with_bias and p.logit_bias:
             bias.add(r, list(p.logit_bias), list(p.logit_bias.values()))
         state = penalty_rows[r] if penalty_rows is not None else None
         if state is not None and uses_penalties(p):
@@ -193,6 +195,17 @@ def build_processor_tensors(
         banned=bans.build(vocab_size, device),
         kept=_gather_kept(kept) if kept else None,
     )
+
+
+def logit_bias_pairs(
+    biases: Sequence[Mapping[int, float] | None], vocab_size: int, device: torch.device | str
+) -> Pairs | None:
+    """The logit bias entries of rows with these `biases` (None or empty: none)."""
+    bias = PairsBuilder()
+    for r, b in enumerate(biases):
+        if b:
+            bias.add(r, list(b), list(b.values()))
+    return bias.build(vocab_size, device)
 
 
 def _gather_kept(kept: list[tuple[int, PenaltyRow, DecodingParams]]) -> TablePenalties:

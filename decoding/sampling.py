@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -35,10 +35,12 @@ from decoding.constraints import ConstraintMask, apply_constraint_mask_
 from decoding.params import BEAM_STRATEGIES, DecodingParams
 from decoding.penalty_table import PenaltyRow
 from decoding.processors import (
+    Pairs,
     ProcessorTensors,
     TokenIds,
     apply_processors_,
     build_processor_tensors,
+    logit_bias_pairs,
 )
 from decoding.random_streams import RandomStreams
 from decoding.transfer import to_device
@@ -91,7 +93,7 @@ class SamplingTensors:
         and reused while the rows' params are the same objects in the same order.
         """
         processors = build_processor_tensors(
-            params, prompt_ids, output_ids, eos_ids, vocab_size, device, penalty_rows
+            params, prompt_ids, output_ids, eos_ids, vocab_size, device, penalty_rows, False
         )
         by_params = (
             kept.tensors(params, eos_ids, vocab_size, device)
@@ -99,6 +101,7 @@ class SamplingTensors:
             else RowTensors.of(params, eos_ids, vocab_size, device)
         )
         warpers = by_params.warpers
+        processors.logit_bias = by_params.logit_bias
         return cls(
             num_rows=len(params),
             processors=processors,
@@ -123,6 +126,7 @@ class RowRecord:
     logprobs: bool  # a non-beam row that asked for logprobs or rank samples (best_of)
     warpers: WarperValues | None  # None: no warper acts on the row
     params: DecodingParams  # held, so that its id stays its own while the record is kept
+    logit_bias: Mapping[int, float] | None = None  # None: no bias
 
     @classmethod
     def of(
@@ -138,19 +142,22 @@ class RowRecord:
             logprobs=s not in BEAM_STRATEGIES and (p.logprobs is not None or s == "best_of"),
             warpers=warper_values(p, min_keep, vocab_size) if drawn or s == "beam_sample" else None,
             params=p,
+            logit_bias=p.logit_bias or None,
         )
 
 
 @dataclass
 class RowTensors:
     """What a step's sampling tensors take from the rows' params alone: the warpers' per-row
-    values and which rows are scored as beams, drawn, or asked for logprobs."""
+    values, the logit bias entries, and which rows are scored as beams, drawn, or asked for
+    logprobs."""
 
     warpers: WarperTensors | None
     beam_rows: torch.Tensor | None
     sample_rows: torch.Tensor | None
     sample_row_list: list[int]
     logprob_rows: list[int]
+    logit_bias: Pairs | None = None
 
     @classmethod
     def of(
@@ -160,10 +167,13 @@ class RowTensors:
         vocab_size: int,
         device: torch.device | str,
     ) -> RowTensors:
-        return cls.of_records([RowRecord.of(p, eos_ids, vocab_size) for p in params], device)
+        records = [RowRecord.of(p, eos_ids, vocab_size) for p in params]
+        return cls.of_records(records, vocab_size, device)
 
     @classmethod
-    def of_records(cls, records: Sequence[RowRecord], device: torch.device | str) -> RowTensors:
+    def of_records(
+        cls, records: Sequence[RowRecord], vocab_size: int, device: torch.device | str
+    ) -> RowTensors:
         sample_list = [r for r, rec in enumerate(records) if rec.drawn]
         beam_list = [r for r, rec in enumerate(records) if rec.beam]
         return cls(
@@ -174,6 +184,11 @@ class RowTensors:
             sample_rows=to_device(sample_list, device, torch.long) if sample_list else None,
             sample_row_list=sample_list,
             logprob_rows=[r for r, rec in enumerate(records) if rec.logprobs],
+            logit_bias=(
+                logit_bias_pairs([rec.logit_bias for rec in records], vocab_size, device)
+                if any(rec.logit_bias for rec in records)
+                else None
+            ),
         )
 
 
@@ -226,7 +241,7 @@ class KeptRowTensors:
         if len(records) > 2 * len(params) + 64:  # finished requests' records go, now and then
             self._records = {id(rec.params): rec for rec in rows}
         self._params, self._context = list(params), context
-        self._tensors = RowTensors.of_records(rows, device)
+        self._tensors = RowTensors.of_records(rows, vocab_size, device)
         return self._tensors
 
 

@@ -355,6 +355,8 @@ KINDS_OF_REQUEST = (
         num_beams=2, do_sample=True, temperature=0.9, top_k=3, stop_token_ids=[7]
     ),
     lambda: DecodingParams(num_beams=4, num_beam_groups=2, diversity_penalty=0.5),
+    lambda: DecodingParams(temperature=0.0, logit_bias={3: 5.0, 11: -100.0}),
+    lambda: DecodingParams(temperature=0.6, top_p=0.8, logit_bias={40: 2.5}, n=2),
 )
 
 
@@ -400,7 +402,7 @@ def test_kept_row_tensors_through_joins_leaves_forks_and_reorders_equal_a_fresh_
             elif change == "reorder":
                 rows = rows[width:] + rows[:width]
             got = kept.tensors(rows, EOS, V, "cpu")
-            fresh = RowTensors.of_records([of(p, EOS, V) for p in rows], "cpu")
+            fresh = RowTensors.of_records([of(p, EOS, V) for p in rows], V, "cpu")
             assert _equal(got, fresh), change
         assert len(built) == len(set(map(id, built)))  # never twice for one request
     finally:

@@ -158,6 +158,7 @@ def test_a_steady_batch_keeps_its_sampling_tensors_and_draws_what_a_fresh_build_
         ([5, 9, 13], DecodingParams(max_tokens=12, temperature=0.8, top_k=8, seed=1, n=2)),
         ([7, 7, 8, 9], DecodingParams(max_tokens=20, temperature=0.0, logprobs=2)),
         ([3, 4], DecodingParams(max_tokens=9, top_p=0.8, repetition_penalty=1.2, seed=5)),
+        ([6, 5, 4], DecodingParams(max_tokens=14, temperature=0.0, logit_bias={17: 8.0, 9: 3.0})),
         ([11, 12, 13, 14], DecodingParams(max_tokens=8, num_beams=3, n=2)),
     ]
     outputs = []
