@@ -122,34 +122,57 @@ def build_constraint_mask(
     rows = [r for r, (c, a) in enumerate(zip(constraints, allowed)) if c is not None or a]
     if not rows:
         return None
+    # Allowed tokens as bits (llguidance's layout) until the step's device unpacks them: on a
+    # GPU the copy is V / 8 bytes a row, not V (262k-entry vocabulary: 32 KiB, not 256 KiB).
     bitmask = torch.zeros((len(rows), (vocab_size + 31) // 32), dtype=torch.int32)
+    words = bitmask.numpy().view(np.uint32)  # the same memory, bits without a sign
+    eos = set(eos_ids)
     for i, r in enumerate(rows):
         constraint = constraints[r]
         if constraint is not None:
             constraint.fill_allowed(bitmask, i)
-        else:
-            bitmask[i] = -1  # every bit set: the allowed ids below are the only limit
-    banned = _unpack_bits(torch.bitwise_not(bitmask), vocab_size)
-    eos = set(eos_ids)
-    for i, r in enumerate(rows):
-        constraint = constraints[r]
-        ends = sorted(t for t in eos | finishing_ids[r] if t < vocab_size)
-        if constraint is not None and ends:
-            banned[i, ends] = True
+            ends = [t for t in eos | finishing_ids[r] if t < vocab_size]
+            _set_bits(words[i], ends, False)  # never allowed by the constraint alone
             if constraint.accepting:
-                banned[i, sorted(t for t in finishing_ids[r] if t < vocab_size)] = False
+                _set_bits(words[i], [t for t in finishing_ids[r] if t < vocab_size], True)
+        else:
+            words[i] = 0xFFFFFFFF  # every bit set: the allowed ids below are the only limit
         ids = allowed[r]
         if ids:
-            keep = torch.zeros(vocab_size, dtype=torch.bool)
-            keep[[t for t in ids if t < vocab_size]] = True
-            banned[i] |= ~keep
+            keep = np.zeros(words.shape[1] * 32, dtype=np.uint8)
+            keep[[t for t in ids if t < vocab_size]] = 1
+            words[i] &= np.packbits(keep, bitorder="little").view(np.uint32)
     runs: list[tuple[int, int]] = []
     for r in rows:
         if runs and runs[-1][1] == r:
             runs[-1] = (runs[-1][0], r + 1)
         else:
             runs.append((r, r + 1))
-    return ConstraintMask(runs, to_device(banned, device))
+    if torch.device(device).type == "cpu":
+        banned = _unpack_bits(torch.bitwise_not(bitmask), vocab_size)
+    else:
+        banned = banned_on_device(to_device(bitmask, device), vocab_size)
+    return ConstraintMask(runs, banned)
+
+
+def _set_bits(words: np.ndarray, tokens: Sequence[int], value: bool) -> None:
+    """Set (`value`) or clear the bits of `tokens` in one row's uint32 words."""
+    if not tokens:
+        return
+    ids = np.asarray(tokens, dtype=np.int64)
+    bits = np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32))
+    if value:
+        np.bitwise_or.at(words, ids >> 5, bits)
+    else:
+        np.bitwise_and.at(words, ids >> 5, ~bits)
+
+
+def banned_on_device(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [C, vocab_size], True where a bit of the int32 `bitmask` [C, W] is clear, computed
+    where the bitmask is (on a GPU: a few element-wise kernels over the packed words)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # an arithmetic shift: bit 31 reads right too
+    return (bits == 0).flatten(1)[:, :vocab_size]
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

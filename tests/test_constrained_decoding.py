@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from decoding import DecodingParams, SamplingTensors, make_beam_search, process_logits
@@ -23,6 +24,7 @@ from decoding.constraints import (
     NO_LEGAL_TOKEN,
     ForcedPrefix,
     TokenConstraint,
+    banned_on_device,
     build_constraint_mask,
     unpack_bitmask,
 )
@@ -149,6 +151,49 @@ def test_unpack_bitmask_reads_llguidance_bit_order() -> None:
     allowed = unpack_bitmask(bitmask, 60)
     assert allowed[0].nonzero().flatten().tolist() == [3]  # token 63 is past the vocabulary
     assert allowed[1].all()
+
+
+def test_the_device_unpacks_the_bits_as_the_host_does() -> None:
+    """On a GPU the packed words cross and the device unpacks them: the same bans, bit 31 (a
+    negative int32) and a vocabulary that ends inside a word included."""
+    words = torch.randint(
+        -(2**31), 2**31, (5, 9), dtype=torch.int64, generator=torch.Generator().manual_seed(3)
+    )
+    bitmask = words.to(torch.int32)
+    bitmask[1] = -1
+    bitmask[2] = 0
+    bitmask[3, 4] = -(2**31)
+    for vocab in (9 * 32, 9 * 32 - 5):
+        assert torch.equal(banned_on_device(bitmask, vocab), ~unpack_bitmask(bitmask, vocab))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_step_s_mask_goes_to_its_device_as_packed_words(device: str) -> None:
+    """The bans of a forced prefix, an accepting one and `allowed_token_ids` rows, each with its
+    endings: the same on the host's path and the device's, and what the device gets is the
+    int32 words (V / 8 bytes a row), not a bool per token ("meta" stands in for a GPU)."""
+    vocab = 200
+    constraints = [ForcedPrefix([70]), ForcedPrefix([5], position=1), None, None]
+    finishing = [frozenset({EOS, 9}), frozenset({EOS, 9}), frozenset({EOS}), frozenset({EOS})]
+    allowed = [None, None, (3, 4, 63, 199, 500), None]
+    copies: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket == torch.ops.aten._to_copy and (kwargs or {}).get("device"):
+                copies.append((args[0].dtype, tuple(args[0].shape)))
+            return func(*args, **(kwargs or {}))
+
+    with Copies():
+        mask = build_constraint_mask(constraints, finishing, EOS_IDS, vocab, device, allowed)
+    assert mask is not None and mask.runs == [(0, 3)] and mask.banned.shape == (3, vocab)
+    if device == "meta":
+        assert copies == [(torch.int32, (3, 7))]  # ceil(200 / 32) words a row
+        return
+    allowed_rows = [(~row).nonzero().flatten().tolist() for row in mask.banned]
+    assert allowed_rows[0] == [70]  # the prefix's token; no ending before it is complete
+    assert set(allowed_rows[1]) == set(range(vocab))  # complete: anything, the endings too
+    assert allowed_rows[2] == [3, 4, 63, 199]  # only its listed ids (an EOS it does not list: no)
 
 
 def test_endings_are_allowed_exactly_where_the_grammar_is_complete(
