@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.overhead.measure import KINDS
 from decoding.params import DecodingParams
-from decoding.sampling import KeptRowTensors, RowTensors
+from decoding.row_tensors import KeptRowTensors, RowTensors
 
 WAYS = ("rebuild", "records", "steady")
 EOS = frozenset({1})

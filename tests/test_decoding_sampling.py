@@ -20,7 +20,7 @@ from decoding import (
     token_logprobs,
 )
 from decoding.random_streams import RandomStreams, random_key, sibling_key, stream_key
-from decoding.sampling import KeptRowTensors, RowRecord, RowTensors
+from decoding.row_tensors import KeptRowTensors, RowRecord, RowTensors
 
 V = 50
 EOS = frozenset({2})

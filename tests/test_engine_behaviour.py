@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from decoding import DecodingParams
-from decoding.sampling import KeptRowTensors, RowTensors
+from decoding.row_tensors import KeptRowTensors, RowTensors
 from tests.conftest import make_engine
 from tests.engine_driver import generate, run_to_completion, submit
 

@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decoding.penalty_table import PenaltyTable
-from decoding.sampling import KeptRowTensors
+from decoding.row_tensors import KeptRowTensors
 from server.engine.applying import ChoiceApplier
 from server.engine.block_pool import BlockPool
 from server.engine.client import UnknownAdapter

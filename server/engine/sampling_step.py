@@ -31,7 +31,8 @@ from decoding.params import DecodingParams
 from decoding.penalty_table import PenaltyRow, PenaltyTable
 from decoding.processors import uses_penalties
 from decoding.random_streams import RandomStreams
-from decoding.sampling import Draw, KeptRowTensors, draw, draw_values, settle
+from decoding.row_tensors import KeptRowTensors
+from decoding.sampling import Draw, draw, draw_values, settle
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
 from server.engine.work import WorkItem

@@ -27,7 +27,7 @@ import torch
 
 from decoding.constraints import TokenConstraint
 from decoding.penalty_table import PenaltyRow, PenaltyTable
-from decoding.sampling import KeptRowTensors
+from decoding.row_tensors import KeptRowTensors
 from decoding.speculation import DraftLength, RowDrafts, accepted_length
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
