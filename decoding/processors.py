@@ -165,12 +165,10 @@ def build_processor_tensors(
     `penalty_rows` has one (the same values, gathered on the device); fields stay None when no
     row uses that processor. `with_bias` False leaves the logit bias out: it depends on the
     params alone, and the caller keeps it between steps (`logit_bias_pairs`)."""
-    bias, repetition, bans = PairsBuilder(), PairsBuilder(), PairsBuilder()
+    repetition, bans = PairsBuilder(), PairsBuilder()
     penalties = CountPairsBuilder()
     kept: list[tuple[int, PenaltyRow, DecodingParams]] = []
     for r, p in enumerate(params):
-        if with_bias and p.logit_bias:
-            bias.add(r, list(p.logit_bias), list(p.logit_bias.values()))
         state = penalty_rows[r] if penalty_rows is not None else None
         if state is not None and uses_penalties(p):
             if state.columns:  # a row with no token yet has nothing to penalize
@@ -189,7 +187,11 @@ def build_processor_tensors(
         if p.min_tokens and len(output_ids[r]) < p.min_tokens:
             bans.add(r, sorted(p.finishing_ids(eos_ids)), 0.0)
     return ProcessorTensors(
-        logit_bias=bias.build(vocab_size, device),
+        logit_bias=(
+            logit_bias_pairs([p.logit_bias for p in params], vocab_size, device)
+            if with_bias
+            else None
+        ),
         repetition=repetition.build(vocab_size, device),
         presence_frequency=penalties.build(vocab_size, device),
         banned=bans.build(vocab_size, device),

@@ -9,7 +9,7 @@ request's `RowRecord`, worked out once while the request runs, not from every ro
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -32,7 +32,6 @@ class RowRecord:
     logprobs: bool  # a non-beam row that asked for logprobs or rank samples (best_of)
     warpers: WarperValues | None  # None: no warper acts on the row
     params: DecodingParams  # held, so that its id stays its own while the record is kept
-    logit_bias: Mapping[int, float] | None = None  # None: no bias
 
     @classmethod
     def of(
@@ -48,7 +47,6 @@ class RowRecord:
             logprobs=s not in BEAM_STRATEGIES and (p.logprobs is not None or s == "best_of"),
             warpers=warper_values(p, min_keep, vocab_size) if drawn or s == "beam_sample" else None,
             params=p,
-            logit_bias=p.logit_bias or None,
         )
 
 
@@ -90,10 +88,8 @@ class RowTensors:
             sample_rows=to_device(sample_list, device, torch.long) if sample_list else None,
             sample_row_list=sample_list,
             logprob_rows=[r for r, rec in enumerate(records) if rec.logprobs],
-            logit_bias=(
-                logit_bias_pairs([rec.logit_bias for rec in records], vocab_size, device)
-                if any(rec.logit_bias for rec in records)
-                else None
+            logit_bias=logit_bias_pairs(
+                [rec.params.logit_bias for rec in records], vocab_size, device
             ),
         )
 

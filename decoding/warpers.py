@@ -84,20 +84,6 @@ def warper_values(p: DecodingParams, min_keep: int, vocab_size: int) -> WarperVa
     )
 
 
-def build_warper_tensors(
-    params: Sequence[DecodingParams],
-    warped: Sequence[bool],
-    min_keep: Sequence[int],
-    vocab_size: int,
-    device: torch.device | str,
-) -> WarperTensors | None:
-    """Warper rows among those flagged in `warped`; None when no row needs any warper."""
-    values = [
-        warper_values(p, k, vocab_size) if w else None for p, w, k in zip(params, warped, min_keep)
-    ]
-    return warper_tensors(values, min_keep, device)
-
-
 def warper_tensors(
     values: Sequence[WarperValues | None],
     min_keep: Sequence[int],
