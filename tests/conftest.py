@@ -38,9 +38,11 @@ from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
 from server.metrics import Metrics
 from server.model.runner import ModelRunner
+from tests.group_order import group_of
 from tests.server_pool import PooledServer, close_pool, open_pool, pooled_server
 from tests.tiny_models import build_tiny_model
 
+pytest_plugins = ["tests.group_order"]  # longest test group first under `--dist loadgroup`
 torch.set_num_threads(THREADS_PER_WORKER)
 TEST_DEVICE = torch.device(TEST_DEVICE_NAME)
 
@@ -52,9 +54,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Under pytest-xdist's `--dist loadgroup` a file's tests run in one worker, so its module
     fixtures (a model, a server) are built once; the client suite's package-wide server too."""
     for item in items:
-        module = item.nodeid.split("::")[0]
-        group = "tests/clients" if module.startswith("tests/clients/") else module
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
     if TEST_DEVICE_NAME == "cpu":
         return
     skip = pytest.mark.skip(reason=f"cpu_only: not on BEAMLINE_TEST_DEVICE={TEST_DEVICE_NAME}")

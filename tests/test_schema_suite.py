@@ -1,5 +1,9 @@
 """The structured-output suite on the default model (benchmarks/schema_suite.py): every output of
-every strategy validates against its schema and none is cut by the length limit."""
+every strategy validates against its schema and none is cut by the length limit.
+
+Each schema runs two of the four strategies, in turn (the pairs rotate through the list), so every
+schema and every strategy is checked, each strategy on 26 schemas of every kind, in half the
+minutes of the whole product (which took 2.5 of the CI's 20)."""
 
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ def engine() -> Iterator[Engine]:
 def test_every_output_of_every_strategy_validates(engine: Engine) -> None:
     compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, engine.eos_token_ids)
     runs: list[tuple[str, str, dict, Collected]] = []
-    for what, schema in SCHEMAS:
+    names = list(STRATEGIES)
+    for index, (what, schema) in enumerate(SCHEMAS):
         grammar = compiler.compile(GrammarSpec.json_schema(schema))
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": f"Give an example of {what} as JSON."}],
@@ -48,8 +53,8 @@ def test_every_output_of_every_strategy_validates(engine: Engine) -> None:
             tokenize=True,
             return_dict=False,
         )
-        for name, params in STRATEGIES.items():
-            got = submit(engine, f"{what}/{name}", list(prompt), params, grammar)
+        for name in (names[index % 4], names[(index + 1) % 4]):
+            got = submit(engine, f"{what}/{name}", list(prompt), STRATEGIES[name], grammar)
             runs.append((what, name, schema, got))
     run_to_completion(engine, max_steps=100_000)
     failures = []
@@ -65,5 +70,6 @@ def test_every_output_of_every_strategy_validates(engine: Engine) -> None:
             except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
                 failures.append(f"{what} / {name}: {text!r}: {str(exc).splitlines()[0]}")
     assert not failures, "\n".join(failures)
-    assert outputs == len(SCHEMAS) * sum(p.n for p in STRATEGIES.values())
+    assert outputs == len(SCHEMAS) * sum(p.n for p in STRATEGIES.values()) // 2
+    assert {name for _, name, _, _ in runs} == set(STRATEGIES)
     assert engine.pool.num_free == engine.pool.num_blocks
