@@ -23,6 +23,7 @@ THREADS_PER_WORKER = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS_PER_WORKER))
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,6 +77,18 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     while _POOL_OWNED:
         close_pool(_POOL_OWNED.pop())
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs the CLI in process (`server.cli.main`) sets the root logger up as a
+    server does: its own handler, on the stderr pytest captured for that test, replaces the
+    others. Put the root logger back, so later tests' records reach pytest's handlers only."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
