@@ -83,7 +83,14 @@ class SamplingTensors:
         and reused while the rows' params are the same objects in the same order.
         """
         processors = build_processor_tensors(
-            params, prompt_ids, output_ids, eos_ids, vocab_size, device, penalty_rows, False
+            params,
+            prompt_ids,
+            output_ids,
+            eos_ids,
+            vocab_size,
+            device,
+            penalty_rows,
+            with_bias=False,  # the kept row tensors hold it (params alone decide it)
         )
         by_params = (
             kept.tensors(params, eos_ids, vocab_size, device)
