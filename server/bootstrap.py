@@ -21,6 +21,7 @@ from server.loading import (
     load_tokenizer,
 )
 from server.metrics import Metrics
+from server.model.architecture import check_servable
 from server.model.devices import pick_device
 from server.model.loader import loading_plan, locate_model, resolve_model_dir, served_model_name
 from server.process.client import EngineProcessClient
@@ -52,6 +53,7 @@ def prepare_model(config: ServerConfig) -> ServerConfig:
         loading_plan(located, config.cache_dir),
     )
     if located.path.is_dir():  # a GGUF file: once converted, before the engine loads
+        check_servable(located.path)  # an encoder-decoder model is refused before the port opens
         check_tensor_parallel(config, located.path)
     name = config.served_model_name or located.name
     adapters = locate_adapters(config.lora_adapters(), name)

@@ -112,6 +112,7 @@ def serve(args: argparse.Namespace) -> int:
     config = with_device_defaults(config, device.type)
     # heavy imports (the model side) only when serving
     from server.bootstrap import ModelLoadFailed, prepare_model
+    from server.model.architecture import UnservableModel
     from server.model.hub import ModelNotFound
     from server.parallel.group import Rendezvous
 
@@ -119,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
         if config.nnodes > 1:  # every node needs node 0's address before anything else
             Rendezvous.from_env(required=True)
         config = prepare_model(config)  # before the port opens: a missing model ends it here
-    except ModelNotFound as exc:
+    except (ModelNotFound, UnservableModel) as exc:
         print(f"beamline: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:  # a tensor-parallel size this model or machine cannot run

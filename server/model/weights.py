@@ -7,11 +7,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from server.model.architecture import check_loaded_whole, check_servable
 from server.model.cpu_linear import apply_linear_layout
 from server.model.devices import dtype_warning
 from server.model.lora.files import target_modules
@@ -54,15 +55,24 @@ def load_serving_weights(
     max_lora_rank: int,
     tp: TPGroup | None,
 ) -> ServingWeights:
+    check_servable(model_dir)
     config = text_config(model_dir)
     if (warning := dtype_warning(str(config.model_type), dtype)) is not None:
         log.warning(warning)
     # On an accelerator the weights load straight onto it (no copy through host RAM), unless
     # they are split first: then each rank moves its share only.
     placement = {"device_map": str(device)} if device.type != "cpu" and tp is None else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False, **placement
+    loaded = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=dtype,
+        local_files_only=True,
+        trust_remote_code=False,
+        output_loading_info=True,
+        **placement,
     )
+    # with output_loading_info, (model, info); transformers' stub types the model alone
+    model, loading_info = cast(tuple[PreTrainedModel, dict[str, Any]], loaded)
+    check_loaded_whole(model_dir, loading_info)
     model.eval()
     lora_targets = target_modules(model)  # whole shapes, before splitting and quantization
     vocab_size = model.get_output_embeddings().weight.shape[0]

@@ -1,0 +1,68 @@
+"""Whether beamline can serve a model whole: a model it could only load in part is refused at
+start-up, with a message that says why, never served.
+
+transformers loads what it can: `AutoModelForCausalLM` on a BART or Marian directory builds the
+decoder alone (BartForCausalLM), reports the encoder's weights as unexpected and its own head as
+newly initialized, and the server would then answer from a decoder that never reads the source.
+Two checks stop that: the config's kind before anything loads (`check_servable`: a config.json
+read, so `beamline serve` ends before its port opens), and the load itself (`check_loaded_whole`:
+no weight of the files left unused, none of the model left at its random initial value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+SHOWN_KEYS = 3  # weight names quoted in a refusal; the count says how many there are
+
+
+class UnservableModel(ValueError):
+    """The model cannot be served whole: the message (one line) says what it is and why."""
+
+
+def check_servable(model_dir: Path) -> None:
+    """UnservableModel unless `model_dir`'s config describes a decoder-only language model
+    transformers can build with its head (a multimodal config's text half counts)."""
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    model_type = str(getattr(config, "model_type", "") or "unknown")
+    described = f"{model_dir}: model type {model_type!r}{_architectures(config)}"
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnservableModel(
+            f"{described} is an encoder-decoder model, and beamline serves decoder-only "
+            "language models: loading its decoder alone would answer without reading the input"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnservableModel(
+            f"{described} has no causal language-model class in transformers "
+            "(AutoModelForCausalLM), so beamline cannot generate text with it"
+        )
+
+
+def check_loaded_whole(model_dir: Path, loading_info: Mapping[str, Any]) -> None:
+    """UnservableModel when transformers' loading info (`output_loading_info=True`) says a weight
+    of the files went unused or a weight of the model was not in the files (it would be random);
+    a checkpoint of another architecture under a familiar model type loads that way."""
+    problems = []
+    for key, what in (
+        ("missing_keys", "not in the files (they would be random)"),
+        ("unexpected_keys", "in the files but unused by the model"),
+        ("mismatched_keys", "of another shape in the files"),
+    ):
+        names = sorted(str(name) for name in loading_info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:SHOWN_KEYS]) + (", ..." if len(names) > SHOWN_KEYS else "")
+            problems.append(f"{len(names)} weights {what} ({shown})")
+    if problems:
+        raise UnservableModel(
+            f"{model_dir}: the model would be served in part: {'; '.join(problems)}"
+        )
+
+
+def _architectures(config: Any) -> str:
+    names = getattr(config, "architectures", None) or []
+    return f" ({', '.join(names)})" if names else ""
