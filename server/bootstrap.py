@@ -133,8 +133,8 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
     )
     log.info(describe(ctx.model_sampling_defaults, config.generation_config_defaults))
     started = time.monotonic()
-    ctx.grammars.prepare()  # structured outputs' first request must not wait for this
-    log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)
+    if ctx.grammars.prepare():  # structured outputs' first request must not wait for this
+        log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)
     log.info(
         "ready: serving %s on http://%s:%d, loaded in %.0f s from %s (max_model_len %s)",
         name,

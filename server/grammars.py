@@ -6,12 +6,15 @@ GIL while it builds), so neither the HTTP loop nor the engine thread ever waits 
 that takes longer than the configured timeout is answered as a client error (the worker finishes
 on its own: llguidance's parser limits bound it). Equal specs share one cache entry and one
 in-flight compile. The tokenizer view llguidance needs (seconds for a 262k vocabulary) is built by
-`prepare()` at start-up, or else at the first compile.
+`prepare()` at start-up, or else at the first compile. A tokenizer llguidance cannot read (a
+WordPiece decoder, a slow tokenizer) turns structured outputs off for the model, not the model
+off: every constrained request then gets `StructuredOutputsUnavailable`, which says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -22,9 +25,15 @@ from transformers import PreTrainedTokenizerBase
 from decoding.grammar import Grammar, GrammarCompiler, GrammarSpec
 from server.metrics import Metrics
 
+log = logging.getLogger(__name__)
+
 
 class GrammarTimeout(Exception):
     """The grammar did not compile within the configured time."""
+
+
+class StructuredOutputsUnavailable(Exception):
+    """The grammar engine cannot read this model's tokenizer: no grammar compiles for it."""
 
 
 class GrammarService:
@@ -49,10 +58,14 @@ class GrammarService:
         self._pending: dict[GrammarSpec, asyncio.Future[Grammar]] = {}
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="beamline-grammar")
         self._compiler: GrammarCompiler | None = None
+        self._unavailable: str | None = None  # why no compiler could be built
         self._compiler_lock = threading.Lock()
 
     async def compile(self, spec: GrammarSpec) -> Grammar:
-        """The compiled grammar of `spec`. Raises GrammarError (invalid) or GrammarTimeout."""
+        """The compiled grammar of `spec`. Raises GrammarError (invalid), GrammarTimeout or
+        StructuredOutputsUnavailable."""
+        if self._unavailable is not None:
+            raise StructuredOutputsUnavailable(self._unavailable)
         cached = self._cache.get(spec)
         if cached is not None:
             self._cache.move_to_end(spec)
@@ -93,12 +106,29 @@ class GrammarService:
     def _compile_blocking(self, spec: GrammarSpec) -> Grammar:
         return self._get_compiler().compile(spec)
 
-    def prepare(self) -> None:
-        """Build llguidance's view of the tokenizer now (the server does at start-up)."""
-        self._get_compiler()
+    def prepare(self) -> bool:
+        """Build llguidance's view of the tokenizer now (the server does at start-up); False
+        (and a warning that says why) when it cannot read the tokenizer: structured outputs
+        are off for this model."""
+        try:
+            self._get_compiler()
+        except StructuredOutputsUnavailable as exc:
+            log.warning("structured outputs are off for this model: %s", exc)
+            return False
+        return True
 
     def _get_compiler(self) -> GrammarCompiler:
         with self._compiler_lock:
+            if self._unavailable is not None:
+                raise StructuredOutputsUnavailable(self._unavailable)
             if self._compiler is None:
-                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+                try:
+                    compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+                except Exception as exc:  # llguidance's reasons vary by tokenizer
+                    self._unavailable = (
+                        "the grammar engine (llguidance) cannot read its tokenizer: "
+                        + " ".join(str(exc).split())
+                    )
+                    raise StructuredOutputsUnavailable(self._unavailable) from exc
+                self._compiler = compiler
             return self._compiler

@@ -14,7 +14,7 @@ from decoding.grammar import Grammar, GrammarError, GrammarSpec
 from server.api.context import ServingContext
 from server.api.errors import bad_request
 from server.api.protocol import SamplingFields
-from server.grammars import GrammarTimeout
+from server.grammars import GrammarTimeout, StructuredOutputsUnavailable
 
 
 @dataclass(frozen=True)
@@ -84,4 +84,10 @@ async def compile_constraint(ctx: ServingContext, constraint: Constraint) -> Gra
     except GrammarTimeout as exc:
         raise bad_request(
             f"{constraint.param}: {exc}", constraint.param, "grammar_too_complex"
+        ) from exc
+    except StructuredOutputsUnavailable as exc:
+        raise bad_request(
+            f"{constraint.param}: structured outputs are not available for this model: {exc}",
+            constraint.param,
+            "structured_outputs_unavailable",
         ) from exc
