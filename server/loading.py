@@ -90,8 +90,10 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         overlap_outputs=overlaps_outputs(config.overlap_outputs, device.type),
-        async_scheduling=schedules_async(config.async_scheduling, device.type),
-        speculative_tokens=config.num_speculative_tokens,
+        # an encoder-decoder step covers sources the plan names: nothing runs ahead of it
+        async_scheduling=schedules_async(config.async_scheduling, device.type)
+        and not runner.encoder_decoder,
+        speculative_tokens=0 if runner.encoder_decoder else config.num_speculative_tokens,
         max_cpu_loras=config.max_cpu_loras,
     )
     for (

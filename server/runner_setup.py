@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from server.config import ServerConfig
+from server.model.architecture import is_seq2seq
 from server.model.devices import (
     compiler_available,
     pick_dtype,
@@ -19,6 +21,8 @@ from server.model.devices import (
 from server.model.kv_budget import KVBudget
 from server.model.loader import default_cache_dir
 from server.model.runner import ModelRunner
+from server.model.seq2seq.runner import Seq2SeqRunner
+from server.model.weights import text_config
 from server.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
@@ -28,6 +32,24 @@ def build_runner(
     config: ServerConfig, model_dir: Path, device: torch.device, tp: TPGroup | None = None
 ) -> ModelRunner:
     """Load the weights (this rank's share under `tp`) and size the KV pool."""
+    dtype = pick_dtype(config.dtype, device)
+    pool: dict[str, Any] = dict(  # what every runner is given
+        device=device,
+        dtype=dtype,
+        block_size=config.block_size,
+        num_blocks=config.num_kv_blocks,
+        kv_budget=KVBudget(
+            kv_cache_bytes=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        ),
+    )
+    if is_seq2seq(text_config(model_dir)):
+        check_seq2seq_options(config)
+        log.info("encoder-decoder model: eager steps in %s, gather attention", dtype)
+        return Seq2SeqRunner(model_dir, **pool, linear_layout="native")
     quantization = resolve_quantization(config.quantization, config.dtype, device)
     compile_decode = resolve_torch_compile(
         config.torch_compile, config.quantization, quantization, device
@@ -39,17 +61,7 @@ def build_runner(
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
     return ModelRunner(
         model_dir,
-        device=device,
-        dtype=pick_dtype(config.dtype, device),
-        block_size=config.block_size,
-        num_blocks=config.num_kv_blocks,
-        kv_budget=KVBudget(
-            kv_cache_bytes=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-        ),
+        **pool,
         quantization=quantization,
         linear_layout=config.linear_layout,
         attention_backend=config.attention_backend,
@@ -60,6 +72,27 @@ def build_runner(
         max_lora_rank=config.max_lora_rank,
         tp=tp,
     )
+
+
+def check_seq2seq_options(config: ServerConfig) -> None:
+    """ValueError naming the settings an encoder-decoder model does not run with yet (those
+    left at their defaults are simply off for it)."""
+    asked = {
+        "quantization": config.quantization not in ("auto", "none"),
+        "torch_compile": bool(config.torch_compile),
+        "attention_backend triton": config.attention_backend == "triton",
+        "async_scheduling on": config.async_scheduling == "on",
+        "num_speculative_tokens": config.num_speculative_tokens > 0
+        and "num_speculative_tokens" in config.model_fields_set,
+        "LoRA adapters": config.lora_enabled,
+        "tensor_parallel_size": config.tensor_parallel_size > 1,
+    }
+    refused = [name for name, on in asked.items() if on]
+    if refused:
+        raise ValueError(
+            f"encoder-decoder models do not run with {', '.join(refused)} yet: leave "
+            f"{'it' if len(refused) == 1 else 'them'} unset"
+        )
 
 
 def set_threads(config: ServerConfig, ranks_on_this_host: int) -> None:

@@ -60,6 +60,16 @@ class DeferredTokens:
 
 
 @dataclass(frozen=True)
+class SourceEncode:
+    """An encoder-decoder row (`row`, an index into the plan's rows) whose step writes source
+    positions: the encoder runs over its whole `source` (it attends both ways) and the step
+    keeps the cross-attention keys and values of the positions it covers."""
+
+    row: int
+    source: list[int]
+
+
+@dataclass(frozen=True)
 class AdapterInstall:
     """LoRA weights to put into device slot `slot` before the step: (A, B) of each projection the
     adapter changes, whole (a tensor-parallel rank keeps its part)."""
@@ -87,6 +97,10 @@ class StepPlan:
     lora_slots: list[int] | None = None  # per row; None: LoRA is off
     installs: list[AdapterInstall] = field(default_factory=list)
     deferred: DeferredTokens | None = None
+    # encoder-decoder models: each row's source length (its first positions), and the rows
+    # whose step covers source positions
+    source_lens: list[int] | None = None
+    encodes: list[SourceEncode] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -129,8 +143,9 @@ class StepOutput:
 # ---- the one encoding ---------------------------------------------------------------------------
 # ints: a header of counts, then the per-row columns, the table edits, releases, copies, scores,
 # LoRA slots, installs (slot, then the rank of each projection in `adapter_paths` order, 0 when the
-# adapter leaves it alone) and the deferred tokens' rows and sources. floats: every install's A and
-# B, flattened, in that order.
+# adapter leaves it alone), the deferred tokens' rows and sources, and the sources (-1, or the
+# number of encodes, then each row's source length and each encode's row, length and tokens).
+# floats: every install's A and B, flattened, in that order.
 _HEADER = 9
 
 
@@ -179,6 +194,11 @@ def encode_plan(
     if deferred is not None:
         data += deferred.rows
         data += deferred.sources
+    data.append(-1 if plan.source_lens is None else len(plan.encodes))
+    if plan.source_lens is not None:
+        data += plan.source_lens
+        for encode in plan.encodes:
+            data += (encode.row, len(encode.source), *encode.source)
     floats = torch.cat(parts) if parts else (torch.empty(0) if plan.installs else None)
     return data, floats
 
@@ -246,4 +266,10 @@ def decode_plan(
     if n_deferred >= 0:
         assert values is not None, "deferred tokens without their values"
         plan.deferred = DeferredTokens(values, read.take(n_deferred), read.take(n_deferred))
+    n_encodes = read.one()
+    if n_encodes >= 0:
+        plan.source_lens = read.take(n)
+        for _ in range(n_encodes):
+            row, count = read.take(2)
+            plan.encodes.append(SourceEncode(row, read.take(count)))
     return plan

@@ -24,6 +24,7 @@ class StubRequest:
     adapter: object | None = None  # no LoRA adapter
     adapter_key: str | None = None
     lora_slot: int = NO_ADAPTER
+    source_len: int = 0  # a decoder-only model's request
 
 
 def stub_rows(token_ids: list[int], rows: int = 1) -> StubRequest:
@@ -72,10 +73,14 @@ def submit(
     prompt_ids: list[int],
     params: DecodingParams,
     adapter: str | None = None,
+    source_len: int = 0,
 ) -> Collected:
-    """`adapter`: the name of a LoRA adapter the engine serves (None: the base model)."""
+    """`adapter`: the name of a LoRA adapter the engine serves (None: the base model);
+    `source_len`: an encoder-decoder request's source, the prompt's first ids."""
     got = Collected()
-    request = EngineRequest(request_id, list(prompt_ids), params, got.outputs.append)
+    request = EngineRequest(
+        request_id, list(prompt_ids), params, got.outputs.append, source_len=source_len
+    )
     request.adapter_name = adapter
     engine.submit(request)
     return got

@@ -24,6 +24,7 @@ from server.step_plan import (
     AdapterInstall,
     DeferredTokens,
     PlanScore,
+    SourceEncode,
     StepPlan,
     TableEdit,
     decode_plan,
@@ -100,8 +101,28 @@ def test_a_plan_with_every_kind_of_change_round_trips() -> None:
         StepPlan(released=[3, 4], copies=[(0, 1)]),
         StepPlan([2], [0], [3], [0], [True], [1, 2, 3], lora_slots=[-1]),
         StepPlan(installs=[AdapterInstall(0, {})]),  # an adapter that changes nothing here
+        # encoder-decoder rows: one past its source, one whose step writes its source
+        StepPlan(
+            [5, 6],
+            [9, 0],
+            [1, 4],
+            [0, 0],
+            [True, True],
+            [7, 1, 2, 3, 0],
+            source_lens=[6, 3],
+            encodes=[SourceEncode(1, [1, 2, 3])],
+        ),
+        StepPlan([5], [9], [1], [0], [True], [7], source_lens=[6]),  # no source in this step
     ],
-    ids=["empty", "steady-decode", "releases-only", "base-row-with-lora-on", "empty-install"],
+    ids=[
+        "empty",
+        "steady-decode",
+        "releases-only",
+        "base-row-with-lora-on",
+        "empty-install",
+        "sources",
+        "sources-decoding",
+    ],
 )
 def test_small_plans_round_trip(plan: StepPlan) -> None:
     data, floats = encode_plan(plan, list(SHAPES))

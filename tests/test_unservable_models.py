@@ -1,5 +1,6 @@
 """A model beamline cannot serve whole is refused at start-up, never served in part: an
-encoder-decoder directory (BART, Marian, T5), a model type with no causal head, and a checkpoint
+encoder-decoder directory of a family it does not serve (T5, Whisper), a model type with no
+causal head, and a checkpoint
 whose weights do not match its model (some unused, some missing), each with a message that says
 why; `beamline serve` ends with exit 1 and one line before its port opens."""
 
@@ -17,9 +18,9 @@ from transformers import (
     DistilBertConfig,
     MarianConfig,
     MarianMTModel,
-    PretrainedConfig,
     T5Config,
     T5ForConditionalGeneration,
+    WhisperConfig,
 )
 
 import server.cli
@@ -61,7 +62,7 @@ def seq2seq_dir(tmp_path: Path, kind: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind, model_type", [("bart", "bart"), ("marian", "marian"), ("t5", "t5")])
+@pytest.mark.parametrize("kind, model_type", [("t5", "t5"), ("whisper", "whisper")])
 def test_an_encoder_decoder_model_is_refused_before_the_port_opens(
     tmp_path: Path,
     kind: str,
@@ -69,7 +70,11 @@ def test_an_encoder_decoder_model_is_refused_before_the_port_opens(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    path = seq2seq_dir(tmp_path, kind)
+    if kind == "whisper":  # the config is all the refusal reads
+        path = tmp_path / kind
+        WhisperConfig(d_model=16, encoder_layers=1, decoder_layers=1).save_pretrained(path)
+    else:
+        path = seq2seq_dir(tmp_path, kind)
     capsys.readouterr()  # saving's progress bar
     monkeypatch.setattr(server.cli, "setup_logging", lambda *args: None)
     started: list[ServerConfig] = []
@@ -78,14 +83,15 @@ def test_an_encoder_decoder_model_is_refused_before_the_port_opens(
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and not started  # one line, and no server was started
     assert err.startswith(f"beamline: {path}: model type '{model_type}'")
-    assert "is an encoder-decoder model" in err
+    assert "is an encoder-decoder model of a family beamline does not serve yet" in err
+    assert "bart, m2m_100, marian, mbart, pegasus" in err
     assert "would answer without reading the input" in err
 
 
 def test_loading_an_encoder_decoder_model_directly_is_refused_too(tmp_path: Path) -> None:
     """What `beamline serve` refuses before its port opens, the model runner refuses as well
     (benchmarks and the engine process build it without the CLI)."""
-    path = seq2seq_dir(tmp_path, "bart")
+    path = seq2seq_dir(tmp_path, "t5")
     with pytest.raises(UnservableModel, match="is an encoder-decoder model"):
         ModelRunner(path, device=CPU, dtype=torch.float32, num_blocks=8, block_size=4)
 
@@ -99,8 +105,12 @@ def test_a_model_type_without_a_causal_head_is_refused(tmp_path: Path) -> None:
     assert "no causal language-model class in transformers" in message
 
 
-def test_a_decoder_only_model_passes(llama_dir: Path) -> None:
+def test_a_decoder_only_model_and_the_served_encoder_decoder_families_pass(
+    llama_dir: Path, tmp_path: Path
+) -> None:
     check_servable(llama_dir)  # raises nothing
+    check_servable(seq2seq_dir(tmp_path, "bart"))
+    check_servable(seq2seq_dir(tmp_path, "marian"))
 
 
 def weights_changed(llama_dir: Path, target: Path, *, drop: int, add: int) -> Path:
@@ -156,8 +166,7 @@ def test_the_refusal_quotes_a_few_names_and_counts_them_all() -> None:
 
 def test_the_config_check_reads_no_weights(tmp_path: Path) -> None:
     """A config.json alone is enough to refuse: nothing is downloaded or loaded first."""
-    PretrainedConfig(model_type="bart", is_encoder_decoder=True).save_pretrained(tmp_path)
-    BartConfig(**SMALL).save_pretrained(tmp_path)
+    T5Config(vocab_size=64, d_model=16, num_layers=1, num_heads=2).save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
     with pytest.raises(UnservableModel, match="encoder-decoder"):
         check_servable(tmp_path)

@@ -144,6 +144,7 @@ class AsyncEngine:
         params: DecodingParams,
         grammar: Grammar | None = None,
         adapter: str | None = None,
+        source_len: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished
         (client.stream_outputs); its rows are constrained by `grammar` when given, and run
@@ -163,6 +164,7 @@ class AsyncEngine:
             emit,
             trace_id=request_id_var.get(),
             constraint=grammar.new_constraint() if grammar is not None else None,
+            source_len=source_len,
         )
         request.adapter_name = adapter
         self.engine.submit(request)

@@ -77,10 +77,12 @@ class EngineClient(Protocol):
         params: DecodingParams,
         grammar: Grammar | None = None,
         adapter: str | None = None,
+        source_len: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished (each row
         constrained by `grammar`, when given; through the LoRA `adapter` of that name, when
-        given). Leaving the iteration early aborts the request."""
+        given; an encoder-decoder model's prompt is its `source_len` source ids, then the
+        decoder's start). Leaving the iteration early aborts the request."""
         ...
 
     def adapter_names(self) -> dict[str, str]:

@@ -82,7 +82,9 @@ class Engine:
             propose=drafts if speculative_tokens > 0 else None,
             adapters=self.lora.slots if self.lora else None,
         )  # fmt: skip
-        self.plans = PlanBuilder(runner.block_size, lora=self.lora is not None)
+        self.plans = PlanBuilder(
+            runner.block_size, lora=self.lora is not None, sources=runner.encoder_decoder
+        )
         self.kept_rows = KeptRowTensors()  # sampling tensors of the rows' params, step to step
         self.penalty_table = PenaltyTable(runner.device)  # penalized rows' tokens, step to step
         self.eos_token_ids = eos_token_ids(runner.model, tokenizer)

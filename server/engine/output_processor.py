@@ -200,7 +200,7 @@ class OutputProcessor:
             params = seq.request.params
             detok = IncrementalDetokenizer(
                 self.tokenizer,
-                seq.request.prompt_ids,
+                seq.request.decoder_prompt_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
@@ -262,7 +262,7 @@ def _emit(
             text=text,
             token_ids=token_ids,
             finish_reason=finish_reason,
-            prompt_tokens=len(req.prompt_ids),
+            prompt_tokens=req.num_prompt_tokens,
             cached_tokens=req.cached_tokens,
             completion_tokens=completion_tokens,
             logprobs=logprobs,

@@ -10,13 +10,21 @@ rejected drafts, so the comparison starts there and costs a block or two per row
 from __future__ import annotations
 
 from server.engine.work import WorkItem
-from server.step_plan import AdapterInstall, DeferredTokens, PlanScore, StepPlan, TableEdit
+from server.step_plan import (
+    AdapterInstall,
+    DeferredTokens,
+    PlanScore,
+    SourceEncode,
+    StepPlan,
+    TableEdit,
+)
 
 
 class PlanBuilder:
-    def __init__(self, block_size: int, lora: bool) -> None:
+    def __init__(self, block_size: int, lora: bool, sources: bool = False) -> None:
         self.block_size = block_size
         self.lora = lora  # plans carry each row's adapter slot
+        self.sources = sources  # an encoder-decoder model: plans carry each row's source
         self.installs: list[AdapterInstall] = []  # for the next plan (before its forward)
 
     def build(
@@ -63,5 +71,12 @@ class PlanBuilder:
                 sent += table[keep:]
         if self.lora:
             plan.lora_slots = [item.seq.lora_slot for item in items]
+        if self.sources:
+            plan.source_lens = [item.seq.request.source_len for item in items]
+            plan.encodes = [
+                SourceEncode(r, item.seq.token_ids[:source])
+                for r, (item, source) in enumerate(zip(items, plan.source_lens))
+                if item.seq.num_computed < source
+            ]
         plan.installs, self.installs = self.installs, []
         return plan

@@ -25,16 +25,22 @@ from server.engine.request import Sequence
 ROOT_HASH = b""  # parent of a sequence's first block (unsalted)
 
 
-def root_hash(cache_salt: str | None, adapter_key: str | None = None) -> bytes:
+def root_hash(
+    cache_salt: str | None, adapter_key: str | None = None, source: Tokens[int] = ()
+) -> bytes:
     """The parent of a sequence's first block: ROOT_HASH (no salt, the base model), or the
-    hash of its request's salt and adapter."""
-    if cache_salt is None and adapter_key is None:
+    hash of its request's salt, adapter and source. An encoder-decoder row's first blocks are
+    its source's cross-attention keys and values, and the encoder reads the source both ways:
+    a block is the same only under the same whole source, not the same leading tokens."""
+    if cache_salt is None and adapter_key is None and not source:
         return ROOT_HASH
     parts = b""
     if cache_salt is not None:
         parts += b"cache_salt:" + cache_salt.encode()
     if adapter_key is not None:  # a length prefix: no salt can imitate an adapter
         parts += b"\x00lora:%d:" % len(adapter_key) + adapter_key.encode()
+    if source:
+        parts += b"\x00source:%d:" % len(source) + array("q", source).tobytes()
     return hashlib.sha256(parts).digest()
 
 
@@ -53,8 +59,15 @@ class PrefixCache:
         bs = self.pool.block_size
         while len(hashes) <= index:
             i = len(hashes)
+            req = seq.request
             parent = (
-                hashes[-1] if hashes else root_hash(seq.request.cache_salt, seq.request.adapter_key)
+                hashes[-1]
+                if hashes
+                else root_hash(
+                    req.cache_salt,
+                    req.adapter_key,
+                    req.prompt_ids[: req.source_len] if req.source_len else (),
+                )
             )
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[index]

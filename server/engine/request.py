@@ -220,6 +220,9 @@ class EngineRequest:
     adapter_name: str | None = None  # the LoRA adapter the client asked for (its `model`)
     adapter: ResolvedAdapter | None = None  # its weights, once admitted (engine._drain_inbox)
     lora_slot: int = NO_ADAPTER  # the device slot its adapter occupies while it runs
+    # an encoder-decoder request: its prompt is the source's ids, then the decoder's first
+    # (model/seq2seq/runner.py); 0 for a decoder-only model
+    source_len: int = 0
 
     def prepare(self, eos_ids: frozenset[int], device: torch.device, max_model_len: int) -> None:
         """Admission: the ids that end it, its random stream, its beam search, its first row
@@ -233,6 +236,17 @@ class EngineRequest:
         first = Sequence(self, list(self.prompt_ids), len(self.prompt_ids))
         first.constraint, self.constraint = self.constraint, None
         self.rows.append(first)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """What its usage counts as prompt: an encoder-decoder request's source."""
+        return self.source_len or len(self.prompt_ids)
+
+    @property
+    def decoder_prompt_ids(self) -> list[int]:
+        """The prompt the decoder reads (the whole prompt of a decoder-only model): what
+        penalties and n-gram bans look back on, as `generate()` does on decoder_input_ids."""
+        return self.prompt_ids[self.source_len :] if self.source_len else self.prompt_ids
 
     @property
     def width(self) -> int:

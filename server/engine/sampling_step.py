@@ -194,7 +194,7 @@ def choose_on_device(
         mask_seconds = time.perf_counter() - start
     tensors = SamplingTensors.from_rows(
         params,
-        [s.request.prompt_ids for s in rows],
+        [s.request.decoder_prompt_ids for s in rows],
         OutputIds(rows),
         eos_ids,
         vocab,
@@ -244,7 +244,7 @@ def penalty_rows(
     out: list[PenaltyRow | None] = []
     for row, p in zip(rows, params):
         if row.penalties is None and isinstance(row, Sequence) and uses_penalties(p):
-            row.penalties = table.add(row.request.prompt_ids, row.output_ids)
+            row.penalties = table.add(row.request.decoder_prompt_ids, row.output_ids)
         out.append(row.penalties)
     return out
 

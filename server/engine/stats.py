@@ -154,7 +154,7 @@ class StatsRecorder:
     def request_end(self, req: EngineRequest, reason: str) -> None:
         now = time.monotonic()
         strategy = req.params.strategy
-        prompt_tokens = len(req.prompt_ids)
+        prompt_tokens = req.num_prompt_tokens
         generated = req.generated_tokens
         queue_s = (req.first_scheduled_time or now) - req.arrival_time
         e2e_s = now - req.arrival_time

@@ -19,6 +19,10 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 SHOWN_KEYS = 3  # weight names quoted in a refusal; the count says how many there are
+# Encoder-decoder families served whole (model/seq2seq/): their decoder layers share BART's shape
+# (self-attention, cross-attention, feed-forward) and take their cross-attention keys and values
+# from the paged pool. T5's relative position bias and Whisper's audio encoder are not built yet.
+SEQ2SEQ_FAMILIES = frozenset({"bart", "mbart", "marian", "pegasus", "m2m_100"})
 
 
 class UnservableModel(ValueError):
@@ -31,16 +35,27 @@ def check_servable(model_dir: Path) -> None:
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model_type = str(getattr(config, "model_type", "") or "unknown")
     described = f"{model_dir}: model type {model_type!r}{_architectures(config)}"
+    if is_seq2seq(config):
+        return
     if getattr(config, "is_encoder_decoder", False):
+        served = ", ".join(sorted(SEQ2SEQ_FAMILIES))
         raise UnservableModel(
-            f"{described} is an encoder-decoder model, and beamline serves decoder-only "
-            "language models: loading its decoder alone would answer without reading the input"
+            f"{described} is an encoder-decoder model of a family beamline does not serve yet "
+            f"(it serves decoder-only models and the encoder-decoder families {served}): "
+            "loading its decoder alone would answer without reading the input"
         )
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UnservableModel(
             f"{described} has no causal language-model class in transformers "
             "(AutoModelForCausalLM), so beamline cannot generate text with it"
         )
+
+
+def is_seq2seq(config: Any) -> bool:
+    """Whether `config` is an encoder-decoder model of a family beamline serves."""
+    return bool(getattr(config, "is_encoder_decoder", False)) and (
+        getattr(config, "model_type", None) in SEQ2SEQ_FAMILIES
+    )
 
 
 def check_loaded_whole(model_dir: Path, loading_info: Mapping[str, Any]) -> None:

@@ -10,6 +10,12 @@ per step and shared by all layers; sliding-window layers (Gemma 3, Mistral) get 
 A step in which every sequence adds exactly one token (the steady state of serving) is passed as
 a bare `DecodeStep` instead of a `StepContext`: tensors only, no Python lists and no per-step cache,
 so that `torch.compile` can trace the whole decoder through it (see runner.py).
+
+An encoder-decoder model's row holds its source first (model/seq2seq/): positions below the row's
+`source_len` keep every decoder layer's cross-attention keys and values of the source, the
+decoder's own tokens follow. A cross-attention layer (its module marked `beamline_cross`) writes
+nothing and attends over the source positions; a self-attention layer attends over the decoder's
+positions only. Decoder-only rows have no source (`source_lens` None, `source_len` 0).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import cast
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from decoding.transfer import to_device
 
@@ -44,6 +51,7 @@ class SeqSlice:
     num_new: int  # tokens computed this step
     context_len: int  # tokens in cache after this step (history + new)
     gather: torch.Tensor  # [context_len] flat slot ids of the whole history, in order
+    source_len: int = 0  # an encoder-decoder row's source positions (at the front)
 
 
 @dataclass
@@ -58,6 +66,7 @@ class DecodeStep:
     # the pools to attend over, passed in rather than found through the registered attention
     # function: an ahead-of-time compiled decoder reads them from its inputs (compiled_decode.py)
     kv: PagedKVCache | None = None
+    source_lens: torch.Tensor | None = None  # [B, 1] encoder-decoder rows' source positions
 
     @classmethod
     def build(
@@ -81,9 +90,14 @@ class DecodeStep:
             to_device(positions.unsqueeze(0), device),
         )
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, 1, L]: the keys each row sees (a few element-wise ops, recomputed per layer)."""
+    def mask(self, window: int | None, cross: bool = False) -> torch.Tensor:
+        """[B, 1, 1, L]: the keys each row sees (a few element-wise ops, recomputed per layer);
+        `cross`: the source's, for a cross-attention layer."""
         visible = self.positions < self.lengths
+        if self.source_lens is not None:
+            visible &= (
+                self.positions < self.source_lens if cross else self.positions >= self.source_lens
+            )
         if window is not None:
             visible &= self.positions > self.lengths - 1 - window
         return visible[:, None, None, :]
@@ -98,16 +112,21 @@ class StepContext:
     decode_index: torch.Tensor | None  # [B] packed index of each of those tokens
     prefill: list[SeqSlice]  # sequences with a chunk of several tokens
     device: torch.device
+    source_lens: torch.Tensor | None = None  # [T] encoder-decoder: each token's row's source
     _cache: dict = field(default_factory=dict)
 
-    def prefill_mask(self, s: SeqSlice, window: int | None) -> torch.Tensor:
-        """[1, 1, num_new, context_len] causal (and windowed) mask for one prefill chunk."""
-        key = ("prefill", s.start, window)
+    def prefill_mask(self, s: SeqSlice, window: int | None, cross: bool = False) -> torch.Tensor:
+        """[1, 1, num_new, context_len] causal (and windowed) mask for one prefill chunk; `cross`:
+        every query sees the row's source positions (an encoder-decoder row's)."""
+        key = ("prefill", s.start, window, cross)
         if key not in self._cache:
             first = s.context_len - s.num_new
             q_pos = torch.arange(first, s.context_len, device=self.device).unsqueeze(1)
             k_pos = torch.arange(s.context_len, device=self.device).unsqueeze(0)
-            mask = k_pos <= q_pos
+            if cross:
+                mask = (k_pos < s.source_len).expand(s.num_new, -1)
+            else:
+                mask = (k_pos <= q_pos) & (k_pos >= s.source_len)
             if window is not None:
                 mask &= k_pos > q_pos - window
             self._cache[key] = mask[None, None]
@@ -229,6 +248,7 @@ def _attend_decode(
     window: int | None,
     scaling: float,
     softcap: float | None,
+    cross: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D], one query per row, over each row's history in the pools -> [B, H, D]."""
     shape = (*step.gather.shape, *k_pool.shape[1:])
@@ -236,7 +256,7 @@ def _attend_decode(
         k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
     )  # [B, Hkv, L, D]
     v = v_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
-    return _attend(q.unsqueeze(2), k, v, step.mask(window), scaling, softcap).squeeze(2)
+    return _attend(q.unsqueeze(2), k, v, step.mask(window, cross), scaling, softcap).squeeze(2)
 
 
 PagedKernel = Callable[..., torch.Tensor]  # triton_attention.paged_attention's signature
@@ -259,40 +279,46 @@ def make_paged_attention(cache: PagedKVCache, kernel: PagedKernel | None = None)
         **_: object,
     ) -> tuple[torch.Tensor, None]:
         if beamline_ctx is None:
+            if getattr(module, "beamline_unpaged", False):  # an encoder's: no cache, its mask
+                return ALL_ATTENTION_FUNCTIONS["sdpa"](
+                    module, query, key, value, attention_mask, scaling=scaling, **_
+                )
             raise RuntimeError("beamline paged attention called without a step context")
         ctx = beamline_ctx
         layer = cast(int, module.layer_idx)
         scale = cast(int, module.head_dim) ** -0.5 if scaling is None else scaling
         pools = ctx.kv if isinstance(ctx, DecodeStep) and ctx.kv is not None else cache
         k_pool, v_pool = pools.keys[layer], pools.values[layer]
-        # index_copy_/index_select: several times faster on CPU than advanced-index assignment.
-        k_pool.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype))
-        v_pool.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))
+        cross = getattr(module, "beamline_cross", False)  # its keys are in the pool already
+        if not cross:  # index_copy_/index_select: several times faster on CPU than indexing
+            k_pool.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype))
+            v_pool.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))
 
         q = query[0].transpose(0, 1)  # [T, H, D]
         if isinstance(ctx, PagedStep):
-            if kernel is None:
-                raise RuntimeError("a PagedStep needs the paged-attention kernel")
+            if kernel is None or cross:
+                raise RuntimeError("a PagedStep needs the paged-attention kernel, and no source")
             window = sliding_window
             out = kernel(q, k_pool, v_pool, ctx, scale=scale, softcap=softcap, window=window)
             return out.unsqueeze(0), None
         if isinstance(ctx, DecodeStep):
-            return _attend_decode(q, k_pool, v_pool, ctx, sliding_window, scale, softcap).unsqueeze(
-                0
-            ), None
+            out = _attend_decode(q, k_pool, v_pool, ctx, sliding_window, scale, softcap, cross)
+            return out.unsqueeze(0), None
         out = torch.empty_like(q)
         if ctx.decode is not None and ctx.decode_index is not None:
             qd = q.index_select(0, ctx.decode_index)
             out.index_copy_(
                 0,
                 ctx.decode_index,
-                _attend_decode(qd, k_pool, v_pool, ctx.decode, sliding_window, scale, softcap),
+                _attend_decode(
+                    qd, k_pool, v_pool, ctx.decode, sliding_window, scale, softcap, cross
+                ),
             )
         for s in ctx.prefill:
             qp = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             kp = k_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
             vp = v_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)
-            mask = ctx.prefill_mask(s, sliding_window)
+            mask = ctx.prefill_mask(s, sliding_window, cross)
             out[s.start : s.start + s.num_new] = _attend(qp, kp, vp, mask, scale, softcap)[
                 0
             ].transpose(0, 1)

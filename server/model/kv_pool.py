@@ -32,8 +32,14 @@ class KVLayout:
     @classmethod
     def of(cls, config: Any, block_size: int, dtype: torch.dtype, ranks: int = 1) -> KVLayout:
         """From a transformers text config (head_dim and KV heads have fallbacks: not every
-        architecture names them); under tensor parallelism one rank's share of the KV heads
-        (one head when there are fewer than ranks: it is replicated)."""
+        architecture names them; an encoder-decoder model's are its decoder's, whose layers keep
+        the source's cross-attention keys and values in the same pool); under tensor
+        parallelism one rank's share of the KV heads (one head when there are fewer than ranks:
+        it is replicated)."""
+        if getattr(config, "is_encoder_decoder", False):  # the decoder's layers hold the pool
+            heads = int(config.decoder_attention_heads)
+            layers, head_dim = int(config.decoder_layers), int(config.d_model) // heads
+            return cls(layers, block_size, max(heads // ranks, 1), head_dim, dtype)
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )

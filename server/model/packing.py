@@ -108,8 +108,10 @@ def pack_step(
     device: torch.device,
     *,
     kernel: bool = False,
+    source_lens: list[int] | None = None,
 ) -> PackedStep:
-    """The step's tokens and positions, and the attention context of the chosen path."""
+    """The step's tokens and positions, and the attention context of the chosen path;
+    `source_lens`: each row's source positions (encoder-decoder rows, gather path only)."""
     positions: list[int] = []
     sample_rows: list[int] = []
     row_starts = plan.token_starts()
@@ -123,7 +125,7 @@ def pack_step(
     if kernel:
         ctx = PagedStep.build(tables, plan.starts, plan.num_new, block_size, device)
     else:
-        ctx = _gather_context(plan, tables, row_starts, block_size, device)
+        ctx = _gather_context(plan, tables, row_starts, block_size, device, source_lens)
     return PackedStep(
         to_device(plan.tokens, device, torch.long).unsqueeze(0),
         to_device(positions, device, torch.long).unsqueeze(0),
@@ -140,6 +142,7 @@ def _gather_context(
     row_starts: list[int],
     block_size: int,
     device: torch.device,
+    source_lens: list[int] | None = None,
 ) -> StepContext:
     """One-token rows as one padded `DecodeStep`, chunks one `SeqSlice` each, over their
     gathered histories."""
@@ -147,29 +150,41 @@ def _gather_context(
     decode_index: list[int] = []  # packed index of each one-token row
     decode_tables: list[list[int]] = []
     decode_lengths: list[int] = []
+    decode_sources: list[int] = []
     prefill: list[SeqSlice] = []
-    for table, first, start, n in zip(tables, row_starts, plan.starts, plan.num_new):
+    sources = source_lens or [0] * len(tables)
+    for table, first, start, n, source in zip(
+        tables, row_starts, plan.starts, plan.num_new, sources
+    ):
         stop = start + n
         if n == 1:
             slot_parts.append(slots(table, start, stop, block_size))
             decode_index.append(first)
             decode_tables.append(table)
             decode_lengths.append(stop)
+            decode_sources.append(source)
         else:
             history = slots(table, 0, stop, block_size)
             slot_parts.append(history[start:])
-            prefill.append(SeqSlice(first, n, stop, to_device(history, device)))
+            prefill.append(SeqSlice(first, n, stop, to_device(history, device), source))
     decode = None
     index = None
     if decode_index:
         decode = DecodeStep.build(decode_tables, decode_lengths, block_size, device)
         index = to_device(decode_index, device, torch.long)
+        if source_lens is not None:
+            decode.source_lens = to_device(decode_sources, device, torch.long).unsqueeze(1)
+    per_token = None
+    if source_lens is not None:
+        counts = torch.tensor(plan.num_new)
+        per_token = to_device(torch.repeat_interleave(torch.tensor(source_lens), counts), device)
     return StepContext(
         slot_mapping=to_device(torch.cat(slot_parts), device),
         decode=decode,
         decode_index=index,
         prefill=prefill,
         device=device,
+        source_lens=per_token,
     )
 
 

@@ -68,6 +68,8 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) ->
 
 
 class ModelRunner:
+    encoder_decoder = False  # its rows hold a source first (model/seq2seq/runner.py)
+
     def __init__(
         self,
         model_dir: Path,
@@ -299,7 +301,9 @@ class ModelRunner:
         """The general path: tokens of every row packed as one sequence (prefill chunks,
         mixed)."""
         kernel = self.attention_backend == "triton"
-        packed = pack_step(plan, tables, self.block_size, self.device, kernel=kernel)
+        packed = pack_step(
+            plan, tables, self.block_size, self.device, kernel=kernel, source_lens=plan.source_lens
+        )
         put_deferred(packed.input_ids[0], plan, packed.row_starts)
         hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
         scores = {

@@ -1,0 +1,127 @@
+"""An encoder-decoder model (BART, mBART, Marian, Pegasus, M2M100 / NLLB) split into what a
+paged, continuously batched step needs: the encoder run once per source, each decoder layer's
+cross-attention keys and values of it written into the row's first positions of the KV pool, and
+the decoder run over packed tokens of many rows with its attention on the pool (attention.py).
+
+transformers' decoder `forward` cannot take per-token positions of packed rows, so the decoder's
+own parts are called here in its order: token embeddings (and the families' scale), position
+embeddings of the decoder-relative position, the embedding layer norm where the family has one,
+every decoder layer as it is, the final layer norm where there is one. Each layer's
+cross-attention is handed a one-position stand-in for the encoder output (its key and value
+projections then cost next to nothing; an empty one cannot be reshaped into heads) and is marked
+`beamline_cross`, so the attention function reads the source's keys and
+values from the pool instead. The LM head adds the families' `final_logits_bias`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from server.model.attention import DecodeStep, PagedKVCache, StepContext
+
+# how each family embeds a decoder position p (0 for the decoder's first token)
+LEARNED = "learned"  # BART, mBART: a table offset by 2, called with position ids
+SINUSOIDAL = "sinusoidal"  # Marian, Pegasus: a fixed table, called with position ids
+PADDING_OFFSET = "padding_offset"  # M2M100 / NLLB: fairseq's positions, padding_idx + 1 + p
+POSITIONS = {
+    "bart": LEARNED,
+    "mbart": LEARNED,
+    "marian": SINUSOIDAL,
+    "pegasus": SINUSOIDAL,
+    "m2m_100": PADDING_OFFSET,
+}
+# families whose decoder scales the token embeddings in its forward (the others' embedding
+# module scales them itself)
+SCALED_IN_FORWARD = frozenset({"marian", "pegasus"})
+
+
+@dataclass
+class Seq2SeqParts:
+    """The parts of a loaded `AutoModelForSeq2SeqLM` a step calls."""
+
+    model: nn.Module
+    model_type: str
+
+    def __post_init__(self) -> None:
+        model = cast(Any, self.model)
+        self.encoder = cast(nn.Module, model.get_encoder())
+        self.decoder = cast(nn.Module, model.get_decoder())
+        self.layers = list(cast(Any, self.decoder).layers)
+        for layer in self.layers:
+            layer.encoder_attn.beamline_cross = True  # attention.py reads the pool for it
+        for module in self.encoder.modules():  # the encoder attends as transformers' SDPA does
+            if hasattr(module, "is_causal") and hasattr(module, "k_proj"):
+                setattr(module, "beamline_unpaged", True)  # noqa: B010  (a marker attribute)
+        self.bias = getattr(self.model, "final_logits_bias", None)
+        self._stand_in: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def encode(self, source: list[int], device: torch.device) -> torch.Tensor:
+        """The encoder's output [S, d_model] for one source (no padding, so no mask)."""
+        ids = torch.tensor([source], dtype=torch.long, device=device)
+        out = self.encoder(input_ids=ids, attention_mask=None, return_dict=True)
+        return cast(torch.Tensor, out.last_hidden_state[0])
+
+    def write_source(
+        self, kv: PagedKVCache, encoded: torch.Tensor, positions: slice, slots: torch.Tensor
+    ) -> None:
+        """Every decoder layer's cross-attention keys and values of the source positions
+        `positions` (of `encoded`, the whole source's encoder output) into `slots` of the pool."""
+        part = encoded[positions]
+        for index, layer in enumerate(self.layers):
+            attn = layer.encoder_attn
+            shape = (part.shape[0], -1, attn.head_dim)
+            keys, values = kv.keys[index], kv.values[index]
+            keys.index_copy_(0, slots, attn.k_proj(part).view(shape).to(keys.dtype))
+            values.index_copy_(0, slots, attn.v_proj(part).view(shape).to(values.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        ctx: StepContext | DecodeStep,
+    ) -> torch.Tensor:
+        """Hidden states [T, d_model] of a step's packed decoder tokens ([1, T] ids at their
+        absolute row positions; each row's source length is taken off for the embedding)."""
+        decoder = cast(Any, self.decoder)
+        source = ctx.source_lens
+        relative = position_ids[0] - (source.view(-1) if source is not None else 0)
+        hidden = decoder.embed_tokens(input_ids)
+        if self.model_type in SCALED_IN_FORWARD:
+            hidden = hidden * decoder.embed_scale
+        hidden = hidden + self._positions(relative).view_as(hidden).to(hidden.dtype)
+        if getattr(decoder, "layernorm_embedding", None) is not None:
+            hidden = decoder.layernorm_embedding(hidden)
+        if self._stand_in is None or self._stand_in.device != hidden.device:
+            self._stand_in = hidden.new_zeros((1, 1, hidden.shape[-1]))
+        for layer in self.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=None,
+                encoder_hidden_states=self._stand_in.to(hidden.dtype),
+                encoder_attention_mask=None,
+                use_cache=False,
+                beamline_ctx=ctx,
+            )
+        if getattr(decoder, "layer_norm", None) is not None:
+            hidden = decoder.layer_norm(hidden)
+        return cast(torch.Tensor, hidden[0])
+
+    def _positions(self, relative: torch.Tensor) -> torch.Tensor:
+        table = cast(Any, self.decoder).embed_positions
+        kind = POSITIONS[self.model_type]
+        if kind == LEARNED:
+            return cast(torch.Tensor, table(relative[None], 0, position_ids=relative))
+        if kind == SINUSOIDAL:
+            return cast(torch.Tensor, table((1, relative.numel()), 0, position_ids=relative))
+        return cast(torch.Tensor, table.weights.index_select(0, relative + table.padding_idx + 1))
+
+    def add_bias(self, logits: torch.Tensor) -> torch.Tensor:
+        """The families' `final_logits_bias` (a zero vector in most checkpoints) added."""
+        if self.bias is None:
+            return logits
+        return logits + self.bias.to(logits.dtype).view(-1)[: logits.shape[-1]]

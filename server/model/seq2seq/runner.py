@@ -1,0 +1,104 @@
+"""The model runner of an encoder-decoder model: a row is its source, then the decoder's tokens.
+
+The engine schedules an encoder-decoder request like any other: its prompt is the source's ids
+followed by the decoder's start, so the source's positions are part of the row's block table and
+of its KV budget, beams and `n` samples share them as they share any prompt block, prefix caching
+finds an identical source's blocks, and preemption frees them with the rest. What differs is here:
+a step whose row covers source positions runs the encoder over that row's whole source and writes
+each decoder layer's cross-attention keys and values into those positions (the plan's
+`encodes`); the decoder then runs over the step's decoder tokens only, each row's source length
+telling attention which positions are the source (attention.py) and the decoder which position
+embedding a token takes (decoder.py).
+
+Encoder-decoder models run on the gather path, eagerly, in the model's dtype: no torch.compile,
+CUDA graphs, int8 quantization, LoRA or tensor parallelism yet (server/model/seq2seq/options.py
+refuses them when asked for and turns the devices' defaults off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.model.attention import DecodeStep, PagedStep, StepContext
+from server.model.packing import slots
+from server.model.runner import ModelRunner
+from server.model.seq2seq.decoder import Seq2SeqParts
+from server.step_plan import StepOutput, StepPlan
+
+
+class Seq2SeqRunner(ModelRunner):
+    encoder_decoder = True
+
+    def __init__(self, model_dir: Path, **options: Any) -> None:
+        super().__init__(model_dir, **options)
+        self.parts = Seq2SeqParts(self.model, str(self.config.model_type))
+        # the decoder's positions (its table's size); a row also holds its source
+        self.max_target_positions = int(self.config.max_position_embeddings)
+        self.max_source_positions = int(
+            getattr(self.config, "max_source_positions", None) or self.max_target_positions
+        )
+        self.max_position_embeddings = self.max_source_positions + self.max_target_positions
+        generation = getattr(self.model, "generation_config", None)
+        start = getattr(generation, "decoder_start_token_id", None)
+        if start is None:
+            start = self.config.decoder_start_token_id
+        self.decoder_start_token_id = int(start)
+
+    def _run_decoder(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        ctx: StepContext | DecodeStep | PagedStep,
+    ) -> torch.Tensor:
+        if isinstance(ctx, PagedStep):
+            raise RuntimeError("encoder-decoder models run on the gather path")
+        return self.parts.forward(input_ids, position_ids, ctx)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.parts.add_bias(self.lm_head(hidden.to(self.head_dtype)).float())
+
+    def _execute(self, plan: StepPlan, tables: list[list[int]]) -> StepOutput:
+        """Write the plan's sources' keys and values, then run its decoder tokens."""
+        sources = plan.source_lens or [0] * len(plan)
+        for encode in plan.encodes:
+            row, start = encode.row, plan.starts[encode.row]
+            stop = min(len(encode.source), start + plan.num_new[encode.row])
+            encoded = self.parts.encode(encode.source, self.device)
+            where = slots(tables[row], start, stop, self.block_size).to(self.device)
+            self.parts.write_source(self.kv_cache, encoded, slice(start, stop), where)
+        decoder = decoder_part(plan, sources)
+        if decoder is None:  # every row's tokens were source positions (a chunked source)
+            return StepOutput(torch.empty((0, self.vocab_size), device=self.device))
+        part, kept = decoder
+        return self._execute_packed(part, [tables[r] for r in kept])
+
+
+def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int]] | None:
+    """The plan's decoder tokens: each row's tokens from its source's end on (rows whose step
+    covered source positions only are left out; they do not sample), with the kept rows'
+    indexes. The plan itself when no row covers a source position."""
+    if all(start >= source for start, source in zip(plan.starts, sources)):
+        return replace(plan, source_lens=sources), list(range(len(plan)))
+    part = StepPlan(source_lens=[])
+    kept: list[int] = []
+    first = 0
+    for r, (start, n, source) in enumerate(zip(plan.starts, plan.num_new, sources)):
+        skip = max(0, source - start)
+        if skip < n:
+            kept.append(r)
+            part.row_ids.append(plan.row_ids[r])
+            part.starts.append(start + skip)
+            part.num_new.append(n - skip)
+            part.num_drafts.append(plan.num_drafts[r])
+            part.samples.append(plan.samples[r])
+            part.tokens += plan.tokens[first + skip : first + n]
+            assert part.source_lens is not None
+            part.source_lens.append(source)
+        elif plan.samples[r]:
+            raise RuntimeError(f"row {plan.row_ids[r]} samples inside its source")
+        first += n
+    return (part, kept) if kept else None

@@ -1,0 +1,247 @@
+"""Encoder-decoder models in the continuous batch (engine level): every family beamline serves,
+token-exact against transformers' `generate()` of the same model, with the source's blocks shared
+by beams and freed after, a source split over steps, cached under its whole source only, and rows
+preempted and recomputed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+from decoding import DecodingParams
+from server.engine.engine import Engine
+from server.model.seq2seq.runner import Seq2SeqRunner
+from tests.engine_driver import Collected, run_to_completion, submit
+from tests.tiny_seq2seq import FAMILIES, build_tiny_seq2seq
+
+SOURCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today?",
+    "Beam",
+    "Once upon a time there was a little model that served many clients at once.",
+]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("seq2seq")
+    return {family: build_tiny_seq2seq(root / family, family) for family in FAMILIES}
+
+
+def seq2seq_engine(model_dir: Path, **options: object) -> Engine:
+    settings: dict = dict(num_blocks=256, block_size=4, max_num_seqs=32, batched=64)
+    settings.update(options)
+    runner = Seq2SeqRunner(
+        model_dir,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=settings["block_size"],
+        num_blocks=settings["num_blocks"],
+    )
+    return Engine(
+        runner,
+        AutoTokenizer.from_pretrained(model_dir),
+        max_num_seqs=settings["max_num_seqs"],
+        max_num_batched_tokens=settings["batched"],
+        enable_prefix_caching=settings.get("prefix_caching", True),
+    )
+
+
+def submit_source(engine: Engine, request_id: str, source: list[int], params: DecodingParams):
+    start = engine.runner.decoder_start_token_id  # type: ignore[attr-defined]
+    return submit(engine, request_id, [*source, start], params, source_len=len(source))
+
+
+def reference(model_dir: Path, source: list[int], **kwargs: object) -> list[list[int]]:
+    """`generate()`'s outputs: the decoder's start taken off, each cut after its first EOS
+    (what follows a finished hypothesis is padding)."""
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir).eval()
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(torch.tensor([source]), do_sample=False, **kwargs)
+    rows = [row[1:].tolist() for row in out]
+    if kwargs.get("eos_token_id", eos) is None:
+        return rows
+    return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
+
+
+def sources(model_dir: Path) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer(text).input_ids for text in SOURCES]
+
+
+def tokens(got: Collected) -> list[list[int]]:
+    return [choice[1] for choice in got.choices().values()]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_in_the_batch_equals_generate(family_dirs: dict[str, Path], family: str) -> None:
+    model_dir = family_dirs[family]
+    engine = seq2seq_engine(model_dir)
+    params = DecodingParams(max_tokens=12, temperature=0)
+    ids = sources(model_dir)
+    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
+    run_to_completion(engine)  # the four requests decode in the same steps
+    outputs = [tokens(g) for g in got]
+    for source, output in zip(ids, outputs):
+        assert output == reference(model_dir, source, max_new_tokens=12)
+    assert len({tuple(o[0]) for o in outputs}) > 1  # the source matters
+    assert engine.stats.max_seqs_in_step == len(ids)
+    assert got[0].outputs[-1].prompt_tokens == len(ids[0])  # usage counts the source
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("family", "num_beams", "length_penalty", "early_stopping", "n"),
+    [
+        ("bart", 2, 1.0, False, 1),
+        ("marian", 4, 0.0, True, 2),
+        ("m2m_100", 4, -1.0, "never", 3),
+        ("pegasus", 8, 2.0, False, 2),
+    ],
+)
+def test_beam_search_in_the_batch_equals_generate(
+    family_dirs: dict[str, Path],
+    family: str,
+    num_beams: int,
+    length_penalty: float,
+    early_stopping: bool | str,
+    n: int,
+) -> None:
+    model_dir = family_dirs[family]
+    engine = seq2seq_engine(model_dir)
+    params = DecodingParams(
+        max_tokens=10,
+        temperature=0,
+        num_beams=num_beams,
+        n=n,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
+    ids = sources(model_dir)[:3]
+    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
+    run_to_completion(engine)
+    for source, result in zip(ids, got):
+        expected = reference(
+            model_dir,
+            source,
+            max_new_tokens=10,
+            num_beams=num_beams,
+            num_return_sequences=n,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        )
+        assert tokens(result) == expected
+    assert engine.stats.max_seqs_in_step == 3 * num_beams
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_penalties_and_ngram_bans_look_at_the_decoder_tokens_as_generate_does(
+    family_dirs: dict[str, Path], family: str
+) -> None:
+    model_dir = family_dirs[family]
+    engine = seq2seq_engine(model_dir)
+    params = DecodingParams(
+        max_tokens=12, temperature=0, repetition_penalty=1.5, no_repeat_ngram_size=2
+    )
+    ids = sources(model_dir)
+    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
+    run_to_completion(engine)
+    for source, result in zip(ids, got):
+        expected = reference(
+            model_dir, source, max_new_tokens=12, repetition_penalty=1.5, no_repeat_ngram_size=2
+        )
+        assert tokens(result) == expected
+
+
+def test_beams_share_the_source_blocks_and_give_them_all_back(
+    family_dirs: dict[str, Path],
+) -> None:
+    model_dir = family_dirs["bart"]
+    source = sources(model_dir)[3]
+    peaks = {}
+    for beams in (1, 4):
+        engine = seq2seq_engine(model_dir, prefix_caching=False)
+        params = DecodingParams(max_tokens=8, temperature=0, num_beams=beams, ignore_eos=True)
+        submit_source(engine, "r", source, params)
+        run_to_completion(engine)
+        peaks[beams] = engine.stats.peak_blocks_used
+        assert engine.pool.num_free == engine.pool.num_blocks
+    source_blocks = len(source) // 4  # full blocks of the source: written once, never copied
+    assert peaks[4] <= peaks[1] + 3 * (peaks[1] - source_blocks)
+
+
+def test_a_source_longer_than_a_step_is_encoded_once_per_chunk_and_decodes_the_same(
+    family_dirs: dict[str, Path],
+) -> None:
+    model_dir = family_dirs["marian"]
+    source = sources(model_dir)[3]
+    assert len(source) > 12
+    engine = seq2seq_engine(model_dir, batched=6)  # the source spans several steps
+    got = submit_source(engine, "r", source, DecodingParams(max_tokens=10, temperature=0))
+    run_to_completion(engine)
+    assert tokens(got) == reference(model_dir, source, max_new_tokens=10)
+    assert engine.stats.tokens_computed == len(source) + 1 + 9
+
+
+def test_the_prefix_cache_shares_a_source_only_whole(family_dirs: dict[str, Path]) -> None:
+    """An identical source's blocks are reused; a source that only begins the same is encoded
+    anew (the encoder reads it both ways: its first positions' keys and values differ)."""
+    model_dir = family_dirs["bart"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    first = tokenizer("The quick brown fox jumps over the lazy dog. Hello").input_ids
+    other = tokenizer("The quick brown fox jumps over the lazy dog. Once").input_ids
+    assert first[:8] == other[:8] and first != other
+    engine = seq2seq_engine(model_dir)
+    params = DecodingParams(max_tokens=6, temperature=0)
+    results = []
+    for i, source in enumerate([first, first, other]):
+        results.append(submit_source(engine, str(i), source, params))
+        run_to_completion(engine)
+    cached = [r.outputs[-1].cached_tokens for r in results]
+    assert cached[0] == 0 and cached[1] >= 8 and cached[2] == 0
+    for source, result in zip([first, first, other], results):
+        assert tokens(result) == reference(model_dir, source, max_new_tokens=6)
+
+
+def test_preempted_rows_are_encoded_again_and_decode_the_same(
+    family_dirs: dict[str, Path],
+) -> None:
+    model_dir = family_dirs["m2m_100"]
+    ids = sources(model_dir)
+    engine = seq2seq_engine(model_dir, num_blocks=24, prefix_caching=False)
+    params = DecodingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
+    run_to_completion(engine)
+    assert engine.stats.preemptions > 0
+    for source, result in zip(ids, got):
+        expected = reference(
+            model_dir, source, max_new_tokens=16, min_new_tokens=16, eos_token_id=None
+        )
+        assert tokens(result) == expected
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_mixed_batch_gives_each_request_its_solo_tokens(family_dirs: dict[str, Path]) -> None:
+    model_dir = family_dirs["mbart"]
+    ids = sources(model_dir)
+    strategies = [
+        DecodingParams(max_tokens=8, temperature=0),
+        DecodingParams(max_tokens=8, temperature=0.9, seed=3, n=2),
+        DecodingParams(max_tokens=8, temperature=0, num_beams=3, n=2),
+        DecodingParams(max_tokens=8, temperature=0.7, top_k=20, seed=5, best_of=3, n=2),
+    ]
+    solo = []
+    for i, (source, params) in enumerate(zip(ids, strategies)):
+        engine = seq2seq_engine(model_dir)
+        solo.append(submit_source(engine, str(i), source, params))
+        run_to_completion(engine)
+    engine = seq2seq_engine(model_dir)
+    mixed = [submit_source(engine, str(i), s, p) for i, (s, p) in enumerate(zip(ids, strategies))]
+    run_to_completion(engine)
+    assert [tokens(m) for m in mixed] == [tokens(s) for s in solo]
+    assert engine.pool.num_free == engine.pool.num_blocks

@@ -1,0 +1,68 @@
+"""Tiny randomly initialised encoder-decoder models of the families beamline serves (BART,
+mBART, Marian, Pegasus, M2M100), with the tiny models' trained tokenizer, built offline.
+
+Weights are drawn wider than the families' defaults (`init_std`) so that a random model's output
+depends on its source: with the defaults a 32-wide decoder all but ignores it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    M2M100Config,
+    M2M100ForConditionalGeneration,
+    MarianConfig,
+    MarianMTModel,
+    MBartConfig,
+    MBartForConditionalGeneration,
+    PegasusConfig,
+    PegasusForConditionalGeneration,
+)
+
+from tests.tiny_models import build_tokenizer
+
+FAMILIES: dict[str, tuple[Any, Any]] = {
+    "bart": (BartConfig, BartForConditionalGeneration),
+    "mbart": (MBartConfig, MBartForConditionalGeneration),
+    "marian": (MarianConfig, MarianMTModel),
+    "pegasus": (PegasusConfig, PegasusForConditionalGeneration),
+    "m2m_100": (M2M100Config, M2M100ForConditionalGeneration),
+}
+# Marian and Pegasus start the decoder from the pad token, the others from EOS (as their
+# checkpoints do)
+STARTS_FROM_PAD = frozenset({"marian", "pegasus"})
+
+
+def build_tiny_seq2seq(path: str | Path, family: str, seed: int = 0) -> Path:
+    """Write a tiny random `family` model plus tokenizer to `path` and return it."""
+    tokenizer = build_tokenizer()
+    config_class, model_class = FAMILIES[family]
+    start = tokenizer.pad_token_id if family in STARTS_FROM_PAD else tokenizer.eos_token_id
+    config = config_class(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=128,
+        init_std=0.3,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=start,
+        forced_eos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
