@@ -8,6 +8,7 @@ import logging
 import time
 from pathlib import Path
 
+from server.api.encoder_decoder import SourceModel
 from server.api.sampling_defaults import describe, read_sampling_defaults
 from server.api.serving import ServingContext
 from server.config import ServerConfig
@@ -130,8 +131,16 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         config=config,
         metrics=metrics,
         model_sampling_defaults=read_sampling_defaults(model_dir),
+        encoder_decoder=SourceModel.read(model_dir),
     )
     log.info(describe(ctx.model_sampling_defaults, config.generation_config_defaults))
+    if ctx.encoder_decoder is not None and ctx.encoder_decoder.not_applied:
+        listed = ", ".join(f"{k} {v}" for k, v in ctx.encoder_decoder.not_applied.items())
+        log.warning(
+            "the model's generation_config.json sets %s, which generate() applies and beamline "
+            "does not yet for encoder-decoder models: set the decoding fields in requests",
+            listed,
+        )
     started = time.monotonic()
     if ctx.grammars.prepare():  # structured outputs' first request must not wait for this
         log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)

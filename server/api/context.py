@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from server.api.encoder_decoder import SourceModel
 from server.config import ServerConfig
 from server.engine.client import EngineClient
 from server.grammars import GrammarService
@@ -24,6 +25,7 @@ class ServingContext:
     metrics: Metrics | None = None
     # the sampling fields the model's generation_config.json sets (sampling_defaults.py)
     model_sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    encoder_decoder: SourceModel | None = None  # an encoder-decoder model's (None: decoder-only)
     grammars: GrammarService = field(init=False)  # structured outputs' compiles and cache
 
     def __post_init__(self) -> None:

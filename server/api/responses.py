@@ -29,7 +29,9 @@ from server.engine.request import RequestOutput, TokenLogprob
 def _engine_outputs(
     ctx: ServingContext, request_id: str, job: Job
 ) -> AsyncGenerator[RequestOutput, None]:
-    return ctx.engine.generate(request_id, job.prompt_ids, job.params, job.grammar, job.adapter)
+    return ctx.engine.generate(
+        request_id, job.prompt_ids, job.params, job.grammar, job.adapter, job.source_len
+    )
 
 
 async def run_jobs(
@@ -122,7 +124,7 @@ async def collect(
 
 
 def usage_of(jobs: list[Job], completion_tokens: int, cached_tokens: int) -> Usage:
-    prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+    prompt_tokens = sum(j.num_prompt_tokens for j in jobs)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

@@ -12,6 +12,7 @@ from decoding import DecodingParams
 from decoding.grammar import Grammar
 from server.api import tools
 from server.api.context import ServingContext
+from server.api.encoder_decoder import refuse_chat
 from server.api.errors import APIError, bad_request
 from server.api.protocol import (
     ChatCompletionRequest,
@@ -84,6 +85,12 @@ class Job:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k, sent as its own field
     return_token_ids: bool = False  # vLLM's: prompt and output token ids in the response
     adapter: str | None = None  # the LoRA adapter it runs with (the request's `model`)
+    source_len: int = 0  # an encoder-decoder model's source: the prompt's first ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """What usage counts: the prompt (an encoder-decoder model's source)."""
+        return self.source_len or len(self.prompt_ids)
 
 
 def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
@@ -104,9 +111,16 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
     constraint = _constraint(req)
     max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     jobs = []
+    source = ctx.encoder_decoder
+    if source is not None:
+        scored = _prompt_logprobs(req.prompt_logprobs, req.logprobs, req.echo) is not None
+        source.check_completion(max_tokens, req.echo, scored)
     for i, prompt in enumerate(prompts):
         whole = tokenize_prompt(ctx, prompt, "prompt", req.add_special_tokens)
         ids = truncate_prompt(ctx, req, whole, max_tokens)
+        source_len = 0
+        if source is not None:
+            source_len, ids = len(ids), source.job_prompt(ids)
         params = decoding_params(
             ctx,
             req,
@@ -121,6 +135,7 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
         job.prompt_logprobs = req.prompt_logprobs
         job.return_token_ids = req.return_token_ids
         job.adapter = adapter
+        job.source_len = source_len
         jobs.append(job)
     return jobs
 
@@ -194,6 +209,8 @@ def _echo_text(ctx: ServingContext, prompt: str | list[int], ids: list[int]) -> 
 
 def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
     adapter = check_model(ctx, req.model)
+    if ctx.encoder_decoder is not None:
+        refuse_chat()
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     plan = tools.plan_tools(req, ctx.tokenizer.chat_template)

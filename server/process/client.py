@@ -161,17 +161,21 @@ class EngineProcessClient:
         params: DecodingParams,
         grammar: Grammar | None = None,
         adapter: str | None = None,
+        source_len: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self.alive:
             raise EngineDead("engine is not running")
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._consumers[request_id] = (asyncio.get_running_loop(), outputs, len(prompt_ids))
+        prompt_tokens = source_len or len(prompt_ids)  # what a failure's usage counts
+        self._consumers[request_id] = (asyncio.get_running_loop(), outputs, prompt_tokens)
         if self.error is not None:  # died since: the reader may have failed the others already
             self._consumers.pop(request_id, None)
             raise EngineDead("engine is not running")
         spec = grammar.spec if grammar is not None else None
         trace_id = request_id_var.get()
-        self._outgoing.put(Submit(request_id, prompt_ids, params, trace_id, spec, adapter))
+        self._outgoing.put(
+            Submit(request_id, prompt_ids, params, trace_id, spec, adapter, source_len)
+        )
 
         def abort() -> None:
             if self._consumers.pop(request_id, None) is not None:

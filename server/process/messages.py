@@ -23,6 +23,7 @@ class Submit:
     trace_id: str | None = None  # the client's X-Request-Id, for the engine's log lines
     grammar: GrammarSpec | None = None  # compiled again (and cached) in the engine process
     adapter: str | None = None  # the LoRA adapter's name
+    source_len: int = 0  # an encoder-decoder model's source: the prompt's first ids
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,7 @@ class EngineLoop:
             message.params,
             self.emit,
             trace_id=message.trace_id,
+            source_len=message.source_len,
         )
         request.adapter_name = message.adapter
         if message.grammar is not None:

@@ -1,0 +1,150 @@
+"""An encoder-decoder model behind the OpenAI routes (a tiny random BART, started as `beamline
+serve` starts it): a completion's prompt is the source, its text and usage as `generate()` and
+the source say, streaming or not, beams included; what does not apply is a 400 that says what to
+use, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
+
+from server.api.app import create_app
+from server.bootstrap import build_serving_context
+from server.config import ServerConfig
+from tests.tiny_seq2seq import build_tiny_seq2seq
+
+SOURCE = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def bart_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_seq2seq(tmp_path_factory.mktemp("seq2seq_api") / "bart", "bart")
+
+
+async def serving(bart_dir: Path, engine_process: str) -> AsyncIterator[httpx.AsyncClient]:
+    config = ServerConfig(
+        model=str(bart_dir),
+        served_model_name="bart",
+        device="cpu",
+        num_kv_blocks=128,
+        block_size=4,
+        engine_process=engine_process,
+    )
+    ctx = build_serving_context(config)  # start-up as `beamline serve` runs it
+    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            yield c
+    finally:
+        ctx.engine.shutdown()
+
+
+@pytest.fixture
+async def client(bart_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
+    async for c in serving(bart_dir, "off"):
+        yield c
+
+
+def expected_texts(bart_dir: Path, **kwargs: object) -> list[str]:
+    model = AutoModelForSeq2SeqLM.from_pretrained(bart_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(bart_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([tokenizer(SOURCE).input_ids]), do_sample=False, **kwargs)
+    return [tokenizer.decode(row[1:], skip_special_tokens=True) for row in out]
+
+
+async def test_a_completion_reads_its_prompt_as_the_source(
+    client: httpx.AsyncClient, bart_dir: Path
+) -> None:
+    body = {"model": "bart", "prompt": SOURCE, "max_tokens": 10, "temperature": 0}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert [c["text"] for c in answer["choices"]] == expected_texts(bart_dir, max_new_tokens=10)
+    source_tokens = len(AutoTokenizer.from_pretrained(bart_dir)(SOURCE).input_ids)
+    assert answer["usage"]["prompt_tokens"] == source_tokens  # the source, not the decoder's start
+    streamed = await client.post("/v1/completions", json={**body, "stream": True})
+    chunks = [
+        json.loads(line[6:])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == answer["choices"][0]["text"]
+
+
+@pytest.mark.timeout(180)
+async def test_the_engine_process_gets_the_source_too(bart_dir: Path) -> None:
+    body = {"model": "bart", "prompt": SOURCE, "max_tokens": 10, "temperature": 0}
+    async for c in serving(bart_dir, "on"):
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert [ch["text"] for ch in r.json()["choices"]] == expected_texts(
+            bart_dir, max_new_tokens=10
+        )
+        source_tokens = len(AutoTokenizer.from_pretrained(bart_dir)(SOURCE).input_ids)
+        assert r.json()["usage"]["prompt_tokens"] == source_tokens
+
+
+async def test_beam_search_returns_generates_beams(
+    client: httpx.AsyncClient, bart_dir: Path
+) -> None:
+    body = {"model": "bart", "prompt": SOURCE, "max_tokens": 8, "num_beams": 4, "n": 2}
+    r = await client.post("/v1/completions", json={**body, "temperature": 0})
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert texts == expected_texts(bart_dir, max_new_tokens=8, num_beams=4, num_return_sequences=2)
+
+
+@pytest.mark.parametrize(
+    "route, body, param, code",
+    [
+        ("completions", {"prompt": "fox " * 200}, "prompt", "source_too_long"),
+        ("completions", {"prompt": SOURCE, "echo": True}, "echo", "unsupported"),
+        ("completions", {"prompt": SOURCE, "prompt_logprobs": 1}, "prompt_logprobs", "unsupported"),
+        ("completions", {"prompt": SOURCE, "max_tokens": 500}, "max_tokens", "invalid_value"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "messages", None),
+    ],
+    ids=["source-too-long", "echo", "prompt-logprobs", "max-tokens", "chat"],
+)
+async def test_what_does_not_apply_to_a_source_is_a_400_and_the_server_serves_on(
+    client: httpx.AsyncClient, route: str, body: dict, param: str, code: str | None
+) -> None:
+    r = await client.post(f"/v1/{route}", json={"model": "bart", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["code"] == (code or "unsupported_model")
+    if route == "chat/completions":
+        assert "send the source as the prompt of /v1/completions" in error["message"]
+    ok = await client.post(
+        "/v1/completions", json={"model": "bart", "prompt": SOURCE, "max_tokens": 3}
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_start_up_names_the_generation_defaults_it_does_not_apply(
+    bart_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tmp_path / "bart"
+    shutil.copytree(bart_dir, model)
+    GenerationConfig(
+        decoder_start_token_id=2, num_beams=4, forced_bos_token_id=0, no_repeat_ngram_size=3
+    ).save_pretrained(model)
+    config = ServerConfig(model=str(model), device="cpu", num_kv_blocks=64, engine_process="off")
+    with caplog.at_level("WARNING", logger="server.bootstrap"):
+        ctx = build_serving_context(config)
+    ctx.engine.shutdown()
+    warned = [r.getMessage() for r in caplog.records if r.name == "server.bootstrap"]
+    assert warned == [
+        "the model's generation_config.json sets forced_bos_token_id 0, num_beams 4, "
+        "no_repeat_ngram_size 3, which generate() applies and beamline does not yet for "
+        "encoder-decoder models: set the decoding fields in requests"
+    ]
