@@ -77,11 +77,16 @@ class DecodingParams:
     spaces_between_special_tokens: bool = True  # slow tokenizers only (fast ones have no such)
     priority: int = 0  # waiting requests start lowest first, then by arrival
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
+    # generate()'s forced tokens (an encoder-decoder model's generation config, or its target
+    # language): the first output token, and the last one max_tokens allows
+    forced_bos_token_id: int | None = None
+    forced_eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise container types so equal requests compare equal (lists from JSON, str keys).
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "forced_eos_token_ids", tuple(self.forced_eos_token_ids))
         object.__setattr__(self, "bad_words_ids", _normalise_bad_words(self.bad_words_ids))
         object.__setattr__(self, "logit_bias", parse_logit_bias(self.logit_bias))
         if self.allowed_token_ids is not None:
@@ -118,6 +123,10 @@ class DecodingParams:
                 f"{name} must be in [-2, 2]",
             )
         _int(self.no_repeat_ngram_size, "no_repeat_ngram_size", low=0)
+        if self.forced_bos_token_id is not None:
+            _int(self.forced_bos_token_id, "forced_bos_token_id", low=0)
+        for token in self.forced_eos_token_ids:
+            _int(token, "forced_eos_token_ids", low=0)
         _int(self.min_tokens, "min_tokens", low=0)
         _int(self.n, "n", low=1)
         if self.best_of is not None:
@@ -290,6 +299,11 @@ def check_vocab(params: DecodingParams, vocab_size: int) -> None:
         ("stop_token_ids", params.stop_token_ids),
         ("bad_words_ids", [t for seq in params.bad_words_ids for t in seq]),
         ("allowed_token_ids", params.allowed_token_ids or ()),
+        (
+            "forced_bos_token_id",
+            [] if params.forced_bos_token_id is None else [params.forced_bos_token_id],
+        ),
+        ("forced_eos_token_ids", params.forced_eos_token_ids),
     ):
         bad = [t for t in ids if t >= vocab_size]
         if bad:

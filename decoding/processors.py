@@ -2,9 +2,11 @@
 
 Order, as Hugging Face `generate()` builds its list (`_get_logits_processor`): logit bias (HF
 `sequence_bias`), repetition penalty, [presence/frequency: OpenAI, not in HF; placed right after
-the repetition penalty as vLLM does], no-repeat-n-gram, bad words, min new tokens. The last three
-only ban tokens (-inf), so they commute with everything and are merged into one list of bans;
-bias and the repetition penalty do not commute, hence bias first like HF (vLLM too).
+the repetition penalty as vLLM does], no-repeat-n-gram, bad words, min new tokens, forced BOS /
+EOS. No-repeat-n-gram, bad words and min new tokens only ban tokens (-inf), so they commute with
+everything and are merged into one list of bans; bias and the repetition penalty do not commute,
+hence bias first like HF (vLLM too). A forced token comes last: its row's scores become -inf but
+its own, which becomes 0 (a beam's score gains nothing at that step, as in `generate()`).
 
 Everything that depends on the token history is computed in `build_processor_tensors` as sparse
 (row, token) pairs: applying them touches only those entries (gather / scatter like HF's
@@ -143,6 +145,7 @@ class ProcessorTensors:
     repetition: Pairs | None = None  # value: penalty; one pair per token of prompt + output
     presence_frequency: Pairs | None = None  # value: frequency * count + presence, output tokens
     banned: Pairs | None = None  # n-gram, bad words, min tokens
+    forced: Pairs | None = None  # rows whose next token is forced (forced BOS / EOS)
     kept: TablePenalties | None = None  # all three penalties of the rows kept in a table
 
     @property
@@ -165,7 +168,7 @@ def build_processor_tensors(
     `penalty_rows` has one (the same values, gathered on the device); fields stay None when no
     row uses that processor. `with_bias` False leaves the logit bias out: it depends on the
     params alone, and the caller keeps it between steps (`logit_bias_pairs`)."""
-    repetition, bans = PairsBuilder(), PairsBuilder()
+    repetition, bans, forced = PairsBuilder(), PairsBuilder(), PairsBuilder()
     penalties = CountPairsBuilder()
     kept: list[tuple[int, PenaltyRow, DecodingParams]] = []
     for r, p in enumerate(params):
@@ -186,6 +189,12 @@ def build_processor_tensors(
             bans.add(r, bad_word_bans(prompt_ids[r], output_ids[r], p.bad_words_ids, eos_ids), 0.0)
         if p.min_tokens and len(output_ids[r]) < p.min_tokens:
             bans.add(r, sorted(p.finishing_ids(eos_ids)), 0.0)
+        if p.forced_bos_token_id is not None or p.forced_eos_token_ids:
+            made = len(output_ids[r])
+            if made == 0 and p.forced_bos_token_id is not None:
+                forced.add(r, [p.forced_bos_token_id], 0.0)
+            elif made == p.max_tokens - 1 and p.forced_eos_token_ids:
+                forced.add(r, list(p.forced_eos_token_ids), 0.0)
     return ProcessorTensors(
         logit_bias=(
             logit_bias_pairs([p.logit_bias for p in params], vocab_size, device)
@@ -195,6 +204,7 @@ def build_processor_tensors(
         repetition=repetition.build(vocab_size, device),
         presence_frequency=penalties.build(vocab_size, device),
         banned=bans.build(vocab_size, device),
+        forced=forced.build(vocab_size, device),
         kept=_gather_kept(kept) if kept else None,
     )
 
@@ -238,6 +248,10 @@ def apply_processors_(scores: torch.Tensor, t: ProcessorTensors) -> torch.Tensor
         scores.index_put_((pf.rows, pf.tokens), -pf.values, accumulate=True)
     if t.banned is not None:
         scores[t.banned.rows, t.banned.tokens] = float("-inf")
+    if t.forced is not None:
+        f = t.forced
+        scores.index_fill_(0, f.rows.unique(), float("-inf"))
+        scores[f.rows, f.tokens] = 0.0
     return scores
 
 

@@ -133,6 +133,8 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         model_sampling_defaults=read_sampling_defaults(model_dir),
         encoder_decoder=SourceModel.read(model_dir),
     )
+    if ctx.encoder_decoder is not None:  # generate()'s defaults too; greedy unless it samples
+        ctx.model_sampling_defaults.update(ctx.encoder_decoder.defaults)
     log.info(describe(ctx.model_sampling_defaults, config.generation_config_defaults))
     if ctx.encoder_decoder is not None and ctx.encoder_decoder.not_applied:
         listed = ", ".join(f"{k} {v}" for k, v in ctx.encoder_decoder.not_applied.items())

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -150,6 +152,31 @@ def test_min_tokens_blocks_eos_and_stop_ids_only_while_short() -> None:
     assert (
         not torch.isinf(ours[2, 2]) and torch.isinf(ours[2]).sum() == 0
     )  # EOS ignored: nothing to block
+
+
+def test_forced_first_and_last_tokens_match_hf_at_their_steps_only() -> None:
+    """generate()'s forced BOS (at the first new token) and forced EOS (at the last one
+    max_tokens allows: HF's cur_len == max_length - 1) override every other processor, on
+    logits and on a beam row's log-probs; other steps are left alone."""
+    max_tokens, prompt = 5, [7]  # HF: the decoder's start alone; max_length = 1 + max_tokens
+    forced = dict(forced_bos_token_id=9, forced_eos_token_ids=(2, 4), max_tokens=max_tokens)
+    params = [
+        DecodingParams(temperature=0.0, no_repeat_ngram_size=1, **forced),
+        DecodingParams(num_beams=2, **forced),
+    ]
+    hf = [
+        ForcedBOSTokenLogitsProcessor(9),
+        ForcedEOSTokenLogitsProcessor(1 + max_tokens, [2, 4]),
+    ]
+    for made in range(max_tokens):
+        output = list(range(20, 20 + made))
+        logits = random_logits(2, made)
+        ours = run(params, logits, [prompt, prompt], [output, output])
+        greedy_ref = hf_row([NoRepeatNGramLogitsProcessor(1), *hf], prompt, output, logits[0])
+        assert_rows_match(ours[0], greedy_ref)
+        assert_rows_match(ours[1], hf_row(hf, prompt, output, logits[1].log_softmax(-1)))
+        forced_now = made == 0 or made == max_tokens - 1
+        assert (torch.isinf(ours).sum(dim=1) >= V - 2).all() == forced_now
 
 
 def test_presence_and_frequency_penalties_follow_openai() -> None:

@@ -130,13 +130,13 @@ async def test_what_does_not_apply_to_a_source_is_a_400_and_the_server_serves_on
     assert ok.status_code == 200, ok.text
 
 
-def test_start_up_names_the_generation_defaults_it_does_not_apply(
+def test_start_up_names_the_generation_fields_it_does_not_apply(
     bart_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = tmp_path / "bart"
     shutil.copytree(bart_dir, model)
     GenerationConfig(
-        decoder_start_token_id=2, num_beams=4, forced_bos_token_id=0, no_repeat_ngram_size=3
+        decoder_start_token_id=2, num_beams=4, suppress_tokens=[5], forced_bos_token_id=0
     ).save_pretrained(model)
     config = ServerConfig(model=str(model), device="cpu", num_kv_blocks=64, engine_process="off")
     with caplog.at_level("WARNING", logger="server.bootstrap"):
@@ -144,7 +144,64 @@ def test_start_up_names_the_generation_defaults_it_does_not_apply(
     ctx.engine.shutdown()
     warned = [r.getMessage() for r in caplog.records if r.name == "server.bootstrap"]
     assert warned == [
-        "the model's generation_config.json sets forced_bos_token_id 0, num_beams 4, "
-        "no_repeat_ngram_size 3, which generate() applies and beamline does not yet for "
-        "encoder-decoder models: set the decoding fields in requests"
+        "the model's generation_config.json sets suppress_tokens [5], which generate() applies "
+        "and beamline does not yet for encoder-decoder models: set the decoding fields in "
+        "requests"
     ]
+
+
+GENERATION = dict(
+    decoder_start_token_id=2,
+    eos_token_id=2,
+    pad_token_id=0,
+    num_beams=3,
+    length_penalty=0.8,
+    early_stopping=True,
+    no_repeat_ngram_size=2,
+    min_length=4,
+    max_length=9,
+    forced_bos_token_id=42,
+    bad_words_ids=[[43]],
+)
+
+
+@pytest.fixture
+async def configured(bart_dir: Path, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """The tiny BART with a generation config that sets what a real checkpoint sets."""
+    model = tmp_path / "bart"
+    shutil.copytree(bart_dir, model)
+    GenerationConfig(**GENERATION).save_pretrained(model)
+    async for c in serving(model, "off"):
+        yield c
+
+
+async def test_a_request_that_sets_nothing_decodes_as_generate_with_the_models_config(
+    configured: httpx.AsyncClient, bart_dir: Path
+) -> None:
+    r = await configured.post("/v1/completions", json={"model": "bart", "prompt": SOURCE})
+    assert r.status_code == 200, r.text
+    model = AutoModelForSeq2SeqLM.from_pretrained(bart_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(bart_dir)
+    with torch.no_grad():  # generate() with that generation config and nothing else
+        out = model.generate(
+            torch.tensor([tokenizer(SOURCE).input_ids]),
+            generation_config=GenerationConfig(**GENERATION),
+        )
+        overridden = model.generate(  # a request's own fields win over the config's
+            torch.tensor([tokenizer(SOURCE).input_ids]),
+            generation_config=GenerationConfig(**GENERATION),
+            num_beams=1,
+            max_new_tokens=5,
+        )
+    ids = out[0, 1:].tolist()
+    ids = ids[: ids.index(2) + 1] if 2 in ids else ids  # padding after the EOS
+    assert ids[0] == 42  # the forced first token
+    assert r.json()["choices"][0]["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+    assert r.json()["usage"]["completion_tokens"] == len(ids)
+    explicit = await configured.post(
+        "/v1/completions",
+        json={"model": "bart", "prompt": SOURCE, "num_beams": 1, "max_tokens": 5},
+    )
+    assert explicit.status_code == 200, explicit.text
+    text = tokenizer.decode(overridden[0, 1:], skip_special_tokens=True)
+    assert explicit.json()["choices"][0]["text"] == text

@@ -158,6 +158,31 @@ def test_penalties_and_ngram_bans_look_at_the_decoder_tokens_as_generate_does(
         assert tokens(result) == expected
 
 
+@pytest.mark.parametrize(("family", "beams"), [("bart", 1), ("marian", 3)])
+def test_forced_first_and_last_tokens_as_generate_forces_them(
+    family_dirs: dict[str, Path], family: str, beams: int
+) -> None:
+    model_dir = family_dirs[family]
+    engine = seq2seq_engine(model_dir)
+    eos = engine.tokenizer.eos_token_id
+    forced = dict(forced_bos_token_id=42, forced_eos_token_ids=(eos,))
+    params = DecodingParams(max_tokens=8, temperature=0, num_beams=beams, **forced)  # type: ignore[arg-type]
+    ids = sources(model_dir)
+    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
+    run_to_completion(engine)
+    for source, result in zip(ids, got):
+        expected = reference(
+            model_dir,
+            source,
+            max_new_tokens=8,
+            num_beams=beams,
+            forced_bos_token_id=42,
+            forced_eos_token_id=eos,
+        )
+        assert tokens(result) == expected
+        assert all(choice[0] == 42 for choice in tokens(result))
+
+
 def test_beams_share_the_source_blocks_and_give_them_all_back(
     family_dirs: dict[str, Path],
 ) -> None:

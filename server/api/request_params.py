@@ -31,6 +31,10 @@ CONVERTED_FIELDS: dict[str, str] = {
     "logprobs": "completions: logprobs; chat: top_logprobs (0 when absent) if logprobs is true",
     "prompt_logprobs": "prompt_logprobs; completions with echo and logprobs: at least logprobs",
     "allowed_token_ids": "a list or null -> a tuple or None",
+    "forced_bos_token_id": "not a request field: an encoder-decoder model's generation config "
+    "(generate()'s forced_bos_token_id)",
+    "forced_eos_token_ids": "not a request field: an encoder-decoder model's generation config "
+    "(generate()'s forced_eos_token_id, one id or several)",
 }
 PASSED_AS_IS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodingParams) if f.name not in CONVERTED_FIELDS
@@ -195,6 +199,10 @@ def _bad_words(ctx: ServingContext, req: Request) -> tuple[tuple[int, ...], ...]
     """bad_words_ids, then each bad word's tokens; as vLLM, also the tokens of the word after a
     space when they are as many and begin differently (the word in the middle of a text)."""
     words = [tuple(ids) for ids in req.bad_words_ids or ()]
+    source = ctx.encoder_decoder
+    unset = not req.bad_words_ids and not req.bad_words and ctx.config.generation_config_defaults
+    if source is not None and unset:  # generate()'s, from the model's generation config
+        words = list(source.bad_words_ids)
     for word in req.bad_words or ():
         if not word.strip():
             raise bad_request(

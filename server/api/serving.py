@@ -109,9 +109,11 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
             "too_many_prompts",
         )
     constraint = _constraint(req)
-    max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    jobs = []
     source = ctx.encoder_decoder
+    max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    if source is not None and req.max_tokens is None and ctx.config.generation_config_defaults:
+        max_tokens = source.default_max_tokens  # generate()'s max_length, as new tokens
+    jobs = []
     if source is not None:
         scored = _prompt_logprobs(req.prompt_logprobs, req.logprobs, req.echo) is not None
         source.check_completion(max_tokens, req.echo, scored)
