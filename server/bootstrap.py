@@ -131,7 +131,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         config=config,
         metrics=metrics,
         model_sampling_defaults=read_sampling_defaults(model_dir),
-        encoder_decoder=SourceModel.read(model_dir),
+        encoder_decoder=SourceModel.read(model_dir, tokenizer),
     )
     if ctx.encoder_decoder is not None:  # generate()'s defaults too; greedy unless it samples
         ctx.model_sampling_defaults.update(ctx.encoder_decoder.defaults)

@@ -45,7 +45,8 @@ NOT_PARAMS = {
 }
 # Fields of each endpoint's own.
 ENDPOINT_FIELDS = {
-    CompletionRequest: {"prompt", "echo", "logprobs", "suffix"},  # max_tokens: also 0 here
+    # max_tokens: also 0 here; src_lang / tgt_lang: translation models' source and forced token
+    CompletionRequest: {"prompt", "echo", "logprobs", "suffix", "src_lang", "tgt_lang"},
     ChatCompletionRequest: {
         "messages",
         "max_completion_tokens",

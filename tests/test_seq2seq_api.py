@@ -13,9 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    GenerationConfig,
+    NllbTokenizerFast,
+)
 
 from server.api.app import create_app
+from server.api.serving import ServingContext
 from server.bootstrap import build_serving_context
 from server.config import ServerConfig
 from tests.tiny_seq2seq import build_tiny_seq2seq
@@ -205,3 +211,103 @@ async def test_a_request_that_sets_nothing_decodes_as_generate_with_the_models_c
     assert explicit.status_code == 200, explicit.text
     text = tokenizer.decode(overridden[0, 1:], skip_special_tokens=True)
     assert explicit.json()["choices"][0]["text"] == text
+
+
+@pytest.fixture(scope="module")
+def nllb_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny M2M100 (NLLB's architecture) with NLLB's tokenizer class and its 202 language
+    codes (an empty vocabulary otherwise: words are unknown tokens, languages are not)."""
+    path = tmp_path_factory.mktemp("nllb") / "nllb"
+    return build_tiny_seq2seq(path, "m2m_100", tokenizer=NllbTokenizerFast())
+
+
+@pytest.fixture
+async def nllb(nllb_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
+    async for c in serving(nllb_dir, "off"):
+        yield c
+
+
+async def test_src_and_tgt_lang_translate_as_the_translation_pipeline_does(
+    nllb: httpx.AsyncClient, nllb_dir: Path
+) -> None:
+    body = {
+        "model": "bart",
+        "prompt": "Bonjour le monde",
+        "src_lang": "fra_Latn",
+        "tgt_lang": "deu_Latn",
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    r = await nllb.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    tokenizer = AutoTokenizer.from_pretrained(nllb_dir)
+    inputs = tokenizer._build_translation_inputs(
+        "Bonjour le monde", "pt", src_lang="fra_Latn", tgt_lang="deu_Latn"
+    )
+    model = AutoModelForSeq2SeqLM.from_pretrained(nllb_dir).eval()
+    with torch.no_grad():
+        out = model.generate(
+            inputs["input_ids"],
+            forced_bos_token_id=inputs["forced_bos_token_id"],
+            max_new_tokens=8,
+            do_sample=False,
+        )
+    choice = r.json()["choices"][0]
+    assert choice["prompt_token_ids"] == inputs["input_ids"][0].tolist()
+    assert choice["prompt_token_ids"][0] == tokenizer.convert_tokens_to_ids("fra_Latn")
+    assert choice["token_ids"] == out[0, 1:].tolist()
+    assert choice["token_ids"][0] == tokenizer.convert_tokens_to_ids("deu_Latn")
+    plain = await nllb.post(  # the server's tokenizer was put back to its own src_lang
+        "/v1/completions", json={**body, "src_lang": None, "return_token_ids": True}
+    )
+    assert plain.json()["choices"][0]["prompt_token_ids"][0] == (
+        tokenizer.convert_tokens_to_ids("eng_Latn")
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, param, code, says",
+    [
+        ({"tgt_lang": "klingon"}, "tgt_lang", "invalid_value", "its codes: ace_Arab, ace_Latn"),
+        ({"src_lang": "xx"}, "src_lang", "invalid_value", "not a language code"),
+        (
+            {"src_lang": "fra_Latn", "prompt": [5, 6, 2]},
+            "src_lang",
+            "invalid_value",
+            "applies to a text prompt",
+        ),
+    ],
+)
+async def test_a_language_the_tokenizer_does_not_know_is_a_400_listing_those_it_does(
+    nllb: httpx.AsyncClient, fields: dict, param: str, code: str, says: str
+) -> None:
+    body = {"model": "bart", "prompt": "Bonjour", "max_tokens": 2, **fields}
+    r = await nllb.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, code)
+    assert says in error["message"]
+
+
+async def test_languages_on_a_model_without_language_codes_are_a_400(
+    client: httpx.AsyncClient, tiny_client: httpx.AsyncClient
+) -> None:
+    # a BART with a plain tokenizer; a decoder-only model
+    for c, model in ((client, "bart"), (tiny_client, "tiny")):
+        r = await c.post(
+            "/v1/completions", json={"model": model, "prompt": "Hi", "tgt_lang": "deu_Latn"}
+        )
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("tgt_lang", "unsupported")
+        assert (
+            "applies to translation models whose tokenizer has language codes" in (error["message"])
+        )
+
+
+@pytest.fixture
+async def tiny_client(tiny_ctx: ServingContext) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=create_app(ctx=tiny_ctx))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        yield c

@@ -38,9 +38,10 @@ FAMILIES: dict[str, tuple[Any, Any]] = {
 STARTS_FROM_PAD = frozenset({"marian", "pegasus"})
 
 
-def build_tiny_seq2seq(path: str | Path, family: str, seed: int = 0) -> Path:
-    """Write a tiny random `family` model plus tokenizer to `path` and return it."""
-    tokenizer = build_tokenizer()
+def build_tiny_seq2seq(path: str | Path, family: str, seed: int = 0, tokenizer: Any = None) -> Path:
+    """Write a tiny random `family` model plus tokenizer (the tiny models' trained one unless
+    given) to `path` and return it."""
+    tokenizer = tokenizer or build_tokenizer()
     config_class, model_class = FAMILIES[family]
     start = tokenizer.pad_token_id if family in STARTS_FROM_PAD else tokenizer.eos_token_id
     config = config_class(

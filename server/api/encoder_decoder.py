@@ -16,11 +16,13 @@ says what to use instead.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from server.api.errors import bad_request
 
@@ -61,9 +63,11 @@ class SourceModel:
     default_max_tokens: int = GENERATE_MAX_LENGTH - 1
     # what its generation config sets that beamline does not apply (start-up warns)
     not_applied: dict[str, object] = field(default_factory=dict)
+    # the tokenizer's language codes and their tokens (NLLB, M2M100, mBART; else none)
+    languages: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, model_dir: Path) -> SourceModel | None:
+    def read(cls, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> SourceModel | None:
         """From the model's config and generation config, or the generation config
         transformers derives from the model's (None: a decoder-only model)."""
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -88,6 +92,7 @@ class SourceModel:
             tuple(tuple(word) for word in written.get("bad_words_ids") or ()),
             max(1, max_new),
             {k: written[k] for k in NOT_APPLIED if k in written},
+            language_tokens(tokenizer),
         )
 
     @property
@@ -129,6 +134,71 @@ class SourceModel:
                 "max_tokens",
                 "invalid_value",
             )
+
+    def target_token(self, code: str | None) -> int | None:
+        """The token `tgt_lang` forces first (None: no tgt_lang); a 400 listing the codes."""
+        if code is None:
+            return None
+        self._check_language(code, "tgt_lang")
+        return self.languages[code]
+
+    @contextlib.contextmanager
+    def source_language(
+        self, tokenizer: PreTrainedTokenizerBase, code: str | None, text: bool
+    ) -> Iterator[None]:
+        """Tokenize the source in `src_lang` (the tokenizer's own default without one), as
+        transformers' translation pipeline does: the tokenizer's `src_lang` set for the call,
+        then put back (requests are tokenized one at a time, on the event loop)."""
+        if code is None:
+            yield
+            return
+        self._check_language(code, "src_lang")
+        if not text:
+            raise bad_request(
+                "src_lang applies to a text prompt: token ids already hold their language token",
+                "src_lang",
+                "invalid_value",
+            )
+        tokenizer_ = cast(Any, tokenizer)
+        before = tokenizer_.src_lang
+        tokenizer_.src_lang = code
+        try:
+            yield
+        finally:
+            tokenizer_.src_lang = before
+
+    def _check_language(self, code: str, param: str) -> None:
+        if not self.languages:
+            raise bad_request(no_languages(param), param, "unsupported")
+        if code not in self.languages:
+            raise bad_request(
+                f"{param} {code!r} is not a language code of this model's tokenizer; its codes: "
+                f"{', '.join(sorted(self.languages))}",
+                param,
+                "invalid_value",
+            )
+
+
+def no_languages(param: str) -> str:
+    return (
+        f"{param} applies to translation models whose tokenizer has language codes (NLLB, "
+        "M2M100, mBART); this model's has none"
+    )
+
+
+def language_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """Language code -> its token id: M2M100's codes ("en") name tokens ("__en__"); NLLB's and
+    mBART's codes are tokens themselves (the special tokens of a tokenizer with a src_lang)."""
+    tokenizer_ = cast(Any, tokenizer)
+    named = getattr(tokenizer_, "lang_code_to_token", None)
+    if named:
+        return {code: int(tokenizer_.convert_tokens_to_ids(tok)) for code, tok in named.items()}
+    if not hasattr(tokenizer_, "src_lang"):
+        return {}
+    codes = getattr(tokenizer_, "extra_special_tokens", None) or getattr(
+        tokenizer_, "additional_special_tokens", None
+    )
+    return {str(code): int(tokenizer_.convert_tokens_to_ids(code)) for code in codes or ()}
 
 
 def generate_defaults(written: dict[str, Any]) -> dict[str, Any]:

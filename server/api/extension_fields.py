@@ -174,6 +174,10 @@ FIELDS: tuple[ExtensionField, ...] = (
     _f("early_stopping", BOTH, WORKS, BL, "beam search stopping: true, false or \"never\"",
        "never"),
     _f("do_sample", BOTH, WORKS, BL, "sample (true) or not; with num_beams: beam sampling", False),
+    _f("src_lang", COMPLETIONS, WORKS, BL, "translation models (NLLB, M2M100, mBART): the "
+       "source's language code, its token put in the source as the tokenizer does", "fra_Latn"),
+    _f("tgt_lang", COMPLETIONS, WORKS, BL, "translation models: the language to write, its "
+       "code's token forced first (generate()'s forced_bos_token_id)", "deu_Latn"),
     # ---- OpenAI's ----
     _f("user", BOTH, NOOP, OA, "an end-user id for the provider's abuse monitoring", "u"),
     _f("metadata", BOTH, NOOP, OA, "tags for stored completions; nothing is stored", {"k": "v"}),

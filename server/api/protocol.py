@@ -130,6 +130,9 @@ class CompletionRequest(SamplingFields, VLLMCompletionFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None  # refused unless empty: no insertion (fill-in-the-middle) here
+    # translation models with language codes (NLLB, M2M100, mBART): as transformers' pipeline
+    src_lang: str | None = None
+    tgt_lang: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts, each text or token ids."""

@@ -177,8 +177,11 @@ def legacy_logprobs(
 
 
 def prompt_token_ids(job: Job) -> list[int] | None:
-    """vLLM's `return_token_ids`: the prompt's ids, as the engine ran them."""
-    return job.prompt_ids if job.return_token_ids else None
+    """vLLM's `return_token_ids`: the prompt's ids, as the engine ran them (an encoder-decoder
+    model's source: what usage counts)."""
+    if not job.return_token_ids:
+        return None
+    return job.prompt_ids[: job.source_len] if job.source_len else job.prompt_ids
 
 
 def vllm_prompt_logprobs(

@@ -5,6 +5,7 @@ Responses and streams are built in server/api/responses.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from decoding import DecodingParams
 from decoding.grammar import Grammar
 from server.api import tools
 from server.api.context import ServingContext
-from server.api.encoder_decoder import refuse_chat
+from server.api.encoder_decoder import no_languages, refuse_chat
 from server.api.errors import APIError, bad_request
 from server.api.protocol import (
     ChatCompletionRequest,
@@ -117,8 +118,13 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
     if source is not None:
         scored = _prompt_logprobs(req.prompt_logprobs, req.logprobs, req.echo) is not None
         source.check_completion(max_tokens, req.echo, scored)
+    for param in ("src_lang", "tgt_lang"):
+        if getattr(req, param) is not None and source is None:
+            raise bad_request(no_languages(param), param, "unsupported")
+    forced = source.target_token(req.tgt_lang) if source is not None else None
     for i, prompt in enumerate(prompts):
-        whole = tokenize_prompt(ctx, prompt, "prompt", req.add_special_tokens)
+        with source_language(ctx, req.src_lang, isinstance(prompt, str)):
+            whole = tokenize_prompt(ctx, prompt, "prompt", req.add_special_tokens)
         ids = truncate_prompt(ctx, req, whole, max_tokens)
         source_len = 0
         if source is not None:
@@ -131,6 +137,8 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
             req.logprobs,
             prompt_logprobs=_prompt_logprobs(req.prompt_logprobs, req.logprobs, req.echo),
         )
+        if forced is not None:  # tgt_lang: generate()'s forced_bos_token_id
+            params = dataclasses.replace(params, forced_bos_token_id=forced)
         echo = _echo_text(ctx, prompt if ids is whole else ids, ids) if req.echo else ""
         job = Job(ids, params, i * req.n, echo, constraint)
         job.echo_logprobs = req.logprobs if req.echo else None
@@ -140,6 +148,15 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
         job.source_len = source_len
         jobs.append(job)
     return jobs
+
+
+def source_language(
+    ctx: ServingContext, code: str | None, text: bool
+) -> contextlib.AbstractContextManager[None]:
+    """An encoder-decoder model's tokenizer set to the request's `src_lang` (nothing else)."""
+    if ctx.encoder_decoder is None:
+        return contextlib.nullcontext()
+    return ctx.encoder_decoder.source_language(ctx.tokenizer, code, text)
 
 
 def truncate_prompt(
