@@ -7,9 +7,12 @@ depends on its source: with the defaults a 32-wide decoder all but ignores it.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import sentencepiece as spm
 import torch
 from transformers import (
     BartConfig,
@@ -18,13 +21,14 @@ from transformers import (
     M2M100ForConditionalGeneration,
     MarianConfig,
     MarianMTModel,
+    MarianTokenizer,
     MBartConfig,
     MBartForConditionalGeneration,
     PegasusConfig,
     PegasusForConditionalGeneration,
 )
 
-from tests.tiny_models import build_tokenizer
+from tests.tiny_models import CORPUS, build_tokenizer
 
 FAMILIES: dict[str, tuple[Any, Any]] = {
     "bart": (BartConfig, BartForConditionalGeneration),
@@ -67,3 +71,33 @@ def build_tiny_seq2seq(path: str | Path, family: str, seed: int = 0, tokenizer: 
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_marian_tokenizer(vocab_size: int = 120) -> MarianTokenizer:
+    """Marian's own tokenizer (sentencepiece, Python only: no fast version exists), with its
+    two vocabularies (source and target models, one shared id map), trained on the tiny corpus."""
+    folder = Path(tempfile.mkdtemp(prefix="marian-spm-"))
+    (folder / "corpus.txt").write_text(CORPUS)
+    for side in ("source", "target"):
+        spm.SentencePieceTrainer.train(
+            input=str(folder / "corpus.txt"),
+            model_prefix=str(folder / side),
+            vocab_size=vocab_size,
+            model_type="unigram",
+            character_coverage=1.0,
+            bos_id=-1,
+            eos_id=1,
+            unk_id=2,
+            pad_id=-1,
+            minloglevel=2,
+        )
+        (folder / f"{side}.model").rename(folder / f"{side}.spm")
+    pieces = spm.SentencePieceProcessor(model_file=str(folder / "target.spm"))
+    vocab = {"</s>": 0, "<unk>": 1}
+    for i in range(pieces.get_piece_size()):
+        vocab.setdefault(pieces.id_to_piece(i), len(vocab))
+    vocab["<pad>"] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    return MarianTokenizer(
+        str(folder / "source.spm"), str(folder / "target.spm"), str(folder / "vocab.json")
+    )
