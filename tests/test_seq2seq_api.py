@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import torch
 from transformers import (
@@ -311,3 +312,31 @@ async def tiny_client(tiny_ctx: ServingContext) -> AsyncIterator[httpx.AsyncClie
     transport = httpx.ASGITransport(app=create_app(ctx=tiny_ctx))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
         yield c
+
+
+async def test_a_json_schema_constrains_a_t5_output(tmp_path: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"animal": {"enum": ["fox", "dog"]}, "count": {"type": "integer"}},
+        "required": ["animal", "count"],
+        "additionalProperties": False,
+    }
+    t5 = build_tiny_seq2seq(tmp_path / "t5", "t5")
+    async for c in serving(t5, "off"):
+        for strategy in ({"temperature": 0}, {"num_beams": 3, "n": 2, "temperature": 0}):
+            r = await c.post(
+                "/v1/completions",
+                json={
+                    "model": "bart",
+                    "prompt": SOURCE,
+                    "max_tokens": 40,
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "a", "schema": schema},
+                    },
+                    **strategy,
+                },
+            )
+            assert r.status_code == 200, r.text
+            for choice in r.json()["choices"]:
+                jsonschema.validate(json.loads(choice["text"]), schema)

@@ -101,6 +101,8 @@ def test_greedy_in_the_batch_equals_generate(family_dirs: dict[str, Path], famil
         ("marian", 4, 0.0, True, 2),
         ("m2m_100", 4, -1.0, "never", 3),
         ("pegasus", 8, 2.0, False, 2),
+        ("t5", 4, 1.0, True, 2),
+        ("mt5", 3, 0.5, False, 1),
     ],
 )
 def test_beam_search_in_the_batch_equals_generate(
@@ -139,7 +141,7 @@ def test_beam_search_in_the_batch_equals_generate(
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
-@pytest.mark.parametrize("family", ["bart", "marian"])
+@pytest.mark.parametrize("family", ["bart", "marian", "t5"])
 def test_penalties_and_ngram_bans_look_at_the_decoder_tokens_as_generate_does(
     family_dirs: dict[str, Path], family: str
 ) -> None:
@@ -200,10 +202,11 @@ def test_beams_share_the_source_blocks_and_give_them_all_back(
     assert peaks[4] <= peaks[1] + 3 * (peaks[1] - source_blocks)
 
 
+@pytest.mark.parametrize("family", ["marian", "t5"])
 def test_a_source_longer_than_a_step_is_encoded_once_per_chunk_and_decodes_the_same(
-    family_dirs: dict[str, Path],
+    family_dirs: dict[str, Path], family: str
 ) -> None:
-    model_dir = family_dirs["marian"]
+    model_dir = family_dirs[family]
     source = sources(model_dir)[3]
     assert len(source) > 12
     engine = seq2seq_engine(model_dir, batched=6)  # the source spans several steps
@@ -233,10 +236,13 @@ def test_the_prefix_cache_shares_a_source_only_whole(family_dirs: dict[str, Path
         assert tokens(result) == reference(model_dir, source, max_new_tokens=6)
 
 
+@pytest.mark.parametrize("family", ["m2m_100", "t5"])
 def test_preempted_rows_are_encoded_again_and_decode_the_same(
-    family_dirs: dict[str, Path],
+    family_dirs: dict[str, Path], family: str
 ) -> None:
-    model_dir = family_dirs["m2m_100"]
+    """A preempted row resumes as a chunk of its decoder tokens (T5: its relative bias over
+    several queries at once)."""
+    model_dir = family_dirs[family]
     ids = sources(model_dir)
     engine = seq2seq_engine(model_dir, num_blocks=24, prefix_caching=False)
     params = DecodingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -1,5 +1,5 @@
 """A model beamline cannot serve whole is refused at start-up, never served in part: an
-encoder-decoder directory of a family it does not serve (T5, Whisper), a model type with no
+encoder-decoder directory of a family it does not serve (LongT5, Whisper), a model type with no
 causal head, and a checkpoint
 whose weights do not match its model (some unused, some missing), each with a message that says
 why; `beamline serve` ends with exit 1 and one line before its port opens."""
@@ -16,6 +16,8 @@ from transformers import (
     BartConfig,
     BartForConditionalGeneration,
     DistilBertConfig,
+    LongT5Config,
+    LongT5ForConditionalGeneration,
     MarianConfig,
     MarianMTModel,
     T5Config,
@@ -53,16 +55,20 @@ def seq2seq_dir(tmp_path: Path, kind: str) -> Path:
         model = BartForConditionalGeneration(BartConfig(**SMALL))
     elif kind == "marian":
         model = MarianMTModel(MarianConfig(**SMALL, pad_token_id=63, decoder_start_token_id=63))
-    else:
+    elif kind == "t5":
         model = T5ForConditionalGeneration(
             T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        )
+    else:
+        model = LongT5ForConditionalGeneration(
+            LongT5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
         )
     path = tmp_path / kind
     model.save_pretrained(path)  # type: ignore[operator]  # a PreTrainedModel's
     return path
 
 
-@pytest.mark.parametrize("kind, model_type", [("t5", "t5"), ("whisper", "whisper")])
+@pytest.mark.parametrize("kind, model_type", [("longt5", "longt5"), ("whisper", "whisper")])
 def test_an_encoder_decoder_model_is_refused_before_the_port_opens(
     tmp_path: Path,
     kind: str,
@@ -84,14 +90,14 @@ def test_an_encoder_decoder_model_is_refused_before_the_port_opens(
     assert "\n" not in err and not started  # one line, and no server was started
     assert err.startswith(f"beamline: {path}: model type '{model_type}'")
     assert "is an encoder-decoder model of a family beamline does not serve yet" in err
-    assert "bart, m2m_100, marian, mbart, pegasus" in err
+    assert "bart, m2m_100, marian, mbart, mt5, pegasus, t5" in err
     assert "would answer without reading the input" in err
 
 
 def test_loading_an_encoder_decoder_model_directly_is_refused_too(tmp_path: Path) -> None:
     """What `beamline serve` refuses before its port opens, the model runner refuses as well
     (benchmarks and the engine process build it without the CLI)."""
-    path = seq2seq_dir(tmp_path, "t5")
+    path = seq2seq_dir(tmp_path, "longt5")
     with pytest.raises(UnservableModel, match="is an encoder-decoder model"):
         ModelRunner(path, device=CPU, dtype=torch.float32, num_blocks=8, block_size=4)
 
@@ -111,6 +117,7 @@ def test_a_decoder_only_model_and_the_served_encoder_decoder_families_pass(
     check_servable(llama_dir)  # raises nothing
     check_servable(seq2seq_dir(tmp_path, "bart"))
     check_servable(seq2seq_dir(tmp_path, "marian"))
+    check_servable(seq2seq_dir(tmp_path, "t5"))
 
 
 def weights_changed(llama_dir: Path, target: Path, *, drop: int, add: int) -> Path:
@@ -166,7 +173,7 @@ def test_the_refusal_quotes_a_few_names_and_counts_them_all() -> None:
 
 def test_the_config_check_reads_no_weights(tmp_path: Path) -> None:
     """A config.json alone is enough to refuse: nothing is downloaded or loaded first."""
-    T5Config(vocab_size=64, d_model=16, num_layers=1, num_heads=2).save_pretrained(tmp_path)
+    LongT5Config(vocab_size=64, d_model=16, num_layers=1, num_heads=2).save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
     with pytest.raises(UnservableModel, match="encoder-decoder"):
         check_servable(tmp_path)

@@ -24,8 +24,12 @@ from transformers import (
     MarianTokenizer,
     MBartConfig,
     MBartForConditionalGeneration,
+    MT5Config,
+    MT5ForConditionalGeneration,
     PegasusConfig,
     PegasusForConditionalGeneration,
+    T5Config,
+    T5ForConditionalGeneration,
 )
 
 from tests.tiny_models import CORPUS, build_tokenizer
@@ -36,10 +40,12 @@ FAMILIES: dict[str, tuple[Any, Any]] = {
     "marian": (MarianConfig, MarianMTModel),
     "pegasus": (PegasusConfig, PegasusForConditionalGeneration),
     "m2m_100": (M2M100Config, M2M100ForConditionalGeneration),
+    "t5": (T5Config, T5ForConditionalGeneration),
+    "mt5": (MT5Config, MT5ForConditionalGeneration),  # T5 v1.1: gated feed-forward, untied
 }
 # Marian and Pegasus start the decoder from the pad token, the others from EOS (as their
 # checkpoints do)
-STARTS_FROM_PAD = frozenset({"marian", "pegasus"})
+STARTS_FROM_PAD = frozenset({"marian", "pegasus", "t5", "mt5"})
 
 
 def build_tiny_seq2seq(path: str | Path, family: str, seed: int = 0, tokenizer: Any = None) -> Path:
@@ -48,7 +54,37 @@ def build_tiny_seq2seq(path: str | Path, family: str, seed: int = 0, tokenizer: 
     tokenizer = tokenizer or build_tokenizer()
     config_class, model_class = FAMILIES[family]
     start = tokenizer.pad_token_id if family in STARTS_FROM_PAD else tokenizer.eos_token_id
-    config = config_class(
+    if family in (
+        "t5",
+        "mt5",
+    ):  # T5 names its sizes its own way; the relative bias: few, near buckets
+        config = config_class(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            initializer_factor=3.0,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=start,
+        )
+    else:
+        config = bart_like(config_class, tokenizer, start)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def bart_like(config_class: Any, tokenizer: Any, start: int) -> Any:
+    return config_class(
         vocab_size=len(tokenizer),
         d_model=32,
         encoder_layers=2,
@@ -65,12 +101,6 @@ def build_tiny_seq2seq(path: str | Path, family: str, seed: int = 0, tokenizer: 
         decoder_start_token_id=start,
         forced_eos_token_id=None,
     )
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    path = Path(path)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def build_marian_tokenizer(vocab_size: int = 120) -> MarianTokenizer:

@@ -79,9 +79,14 @@ class SourceModel:
             generation = GenerationConfig.from_model_config(config)
         written = {k: v for k, v in generation.to_diff_dict().items() if v is not None}
         start = generation.decoder_start_token_id
-        if start is None:
-            start = config.decoder_start_token_id
-        target = int(config.max_position_embeddings)
+        if start is None:  # T5's config names none: the decoder starts from its pad token
+            start = getattr(config, "decoder_start_token_id", None)
+            start = config.pad_token_id if start is None else start
+        target = int(
+            getattr(config, "max_position_embeddings", None)
+            or getattr(config, "n_positions", None)
+            or 512
+        )
         source = int(getattr(config, "max_source_positions", None) or target)
         max_new = min(target - 1, int(written.get("max_length", GENERATE_MAX_LENGTH)) - 1)
         return cls(

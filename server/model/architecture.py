@@ -19,10 +19,10 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 SHOWN_KEYS = 3  # weight names quoted in a refusal; the count says how many there are
-# Encoder-decoder families served whole (model/seq2seq/): their decoder layers share BART's shape
-# (self-attention, cross-attention, feed-forward) and take their cross-attention keys and values
-# from the paged pool. T5's relative position bias and Whisper's audio encoder are not built yet.
-SEQ2SEQ_FAMILIES = frozenset({"bart", "mbart", "marian", "pegasus", "m2m_100"})
+# Encoder-decoder families served whole (model/seq2seq/): BART's and T5's, whose decoder layers
+# (self-attention, cross-attention, feed-forward) take their cross-attention keys and values from
+# the paged pool. Whisper's audio encoder is not built yet.
+SEQ2SEQ_FAMILIES = frozenset({"bart", "mbart", "marian", "pegasus", "m2m_100", "t5", "mt5"})
 
 
 class UnservableModel(ValueError):

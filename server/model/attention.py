@@ -220,6 +220,9 @@ class PagedKVCache:
             pool[dst] = pool[src]
 
 
+RelativeBias = Callable[[torch.Tensor], torch.Tensor]  # key - query distances -> [..., H]
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,8 +230,12 @@ def _attend(
     mask: torch.Tensor,
     scaling: float,
     softcap: float | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, Q, D], k/v [B, Hkv, L, D], boolean mask broadcastable to [B, H, Q, L]."""
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], boolean mask broadcastable to [B, H, Q, L]; `bias`
+    (T5's relative position bias, [B, H, Q, L]) is added to the scores."""
+    if bias is not None:
+        mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
     if softcap is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
@@ -249,14 +256,20 @@ def _attend_decode(
     scaling: float,
     softcap: float | None,
     cross: bool = False,
+    relative: RelativeBias | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D], one query per row, over each row's history in the pools -> [B, H, D]."""
+    """q [B, H, D], one query per row, over each row's history in the pools -> [B, H, D];
+    `relative`: the layer's relative position bias (T5)."""
     shape = (*step.gather.shape, *k_pool.shape[1:])
     k = (
         k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
     )  # [B, Hkv, L, D]
     v = v_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
-    return _attend(q.unsqueeze(2), k, v, step.mask(window, cross), scaling, softcap).squeeze(2)
+    bias = None
+    if relative is not None:  # [B, L, H] -> [B, H, 1, L]
+        bias = relative(step.positions - (step.lengths - 1)).permute(0, 2, 1).unsqueeze(2)
+    mask = step.mask(window, cross)
+    return _attend(q.unsqueeze(2), k, v, mask, scaling, softcap, bias).squeeze(2)
 
 
 PagedKernel = Callable[..., torch.Tensor]  # triton_attention.paged_attention's signature
@@ -290,6 +303,7 @@ def make_paged_attention(cache: PagedKVCache, kernel: PagedKernel | None = None)
         pools = ctx.kv if isinstance(ctx, DecodeStep) and ctx.kv is not None else cache
         k_pool, v_pool = pools.keys[layer], pools.values[layer]
         cross = getattr(module, "beamline_cross", False)  # its keys are in the pool already
+        relative = getattr(module, "beamline_relative_bias", None)  # T5's self-attention
         if not cross:  # index_copy_/index_select: several times faster on CPU than indexing
             k_pool.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype))
             v_pool.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))
@@ -302,7 +316,9 @@ def make_paged_attention(cache: PagedKVCache, kernel: PagedKernel | None = None)
             out = kernel(q, k_pool, v_pool, ctx, scale=scale, softcap=softcap, window=window)
             return out.unsqueeze(0), None
         if isinstance(ctx, DecodeStep):
-            out = _attend_decode(q, k_pool, v_pool, ctx, sliding_window, scale, softcap, cross)
+            out = _attend_decode(
+                q, k_pool, v_pool, ctx, sliding_window, scale, softcap, cross, relative
+            )
             return out.unsqueeze(0), None
         out = torch.empty_like(q)
         if ctx.decode is not None and ctx.decode_index is not None:
@@ -311,7 +327,7 @@ def make_paged_attention(cache: PagedKVCache, kernel: PagedKernel | None = None)
                 0,
                 ctx.decode_index,
                 _attend_decode(
-                    qd, k_pool, v_pool, ctx.decode, sliding_window, scale, softcap, cross
+                    qd, k_pool, v_pool, ctx.decode, sliding_window, scale, softcap, cross, relative
                 ),
             )
         for s in ctx.prefill:
@@ -319,7 +335,12 @@ def make_paged_attention(cache: PagedKVCache, kernel: PagedKernel | None = None)
             kp = k_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
             vp = v_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)
             mask = ctx.prefill_mask(s, sliding_window, cross)
-            out[s.start : s.start + s.num_new] = _attend(qp, kp, vp, mask, scale, softcap)[
+            bias = None
+            if relative is not None:  # [n, L, H] -> [1, H, n, L]
+                k_pos = torch.arange(s.context_len, device=q.device)
+                q_pos = k_pos[s.context_len - s.num_new :]
+                bias = relative(k_pos[None, :] - q_pos[:, None]).permute(2, 0, 1).unsqueeze(0)
+            out[s.start : s.start + s.num_new] = _attend(qp, kp, vp, mask, scale, softcap, bias)[
                 0
             ].transpose(0, 1)
         return out.unsqueeze(0), None

@@ -37,8 +37,9 @@ class KVLayout:
         parallelism one rank's share of the KV heads (one head when there are fewer than ranks:
         it is replicated)."""
         if getattr(config, "is_encoder_decoder", False):  # the decoder's layers hold the pool
-            heads = int(config.decoder_attention_heads)
-            layers, head_dim = int(config.decoder_layers), int(config.d_model) // heads
+            heads = int(getattr(config, "decoder_attention_heads", None) or config.num_heads)
+            layers = int(getattr(config, "decoder_layers", None) or config.num_decoder_layers)
+            head_dim = int(getattr(config, "d_kv", None) or int(config.d_model) // heads)
             return cls(layers, block_size, max(heads // ranks, 1), head_dim, dtype)
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads

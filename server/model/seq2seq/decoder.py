@@ -39,6 +39,13 @@ POSITIONS = {
 SCALED_IN_FORWARD = frozenset({"marian", "pegasus"})
 
 
+def target_positions(config: Any) -> int:
+    """The decoder's positions: its position table's size (T5's relative positions have no
+    table: its configs' n_positions, 512 when they name none)."""
+    size = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(size or 512)
+
+
 @dataclass
 class Seq2SeqParts:
     """The parts of a loaded `AutoModelForSeq2SeqLM` a step calls."""
@@ -50,14 +57,26 @@ class Seq2SeqParts:
         model = cast(Any, self.model)
         self.encoder = cast(nn.Module, model.get_encoder())
         self.decoder = cast(nn.Module, model.get_decoder())
-        self.layers = list(cast(Any, self.decoder).layers)
+        self.layers = self._layers()
         for layer in self.layers:
-            layer.encoder_attn.beamline_cross = True  # attention.py reads the pool for it
+            self.cross_attention(layer).beamline_cross = True  # attention.py reads the pool
         for module in self.encoder.modules():  # the encoder attends as transformers' SDPA does
-            if hasattr(module, "is_causal") and hasattr(module, "k_proj"):
+            if hasattr(module, "k_proj") or hasattr(module, "k"):
                 setattr(module, "beamline_unpaged", True)  # noqa: B010  (a marker attribute)
         self.bias = getattr(self.model, "final_logits_bias", None)
         self._stand_in: torch.Tensor | None = None
+
+    def _layers(self) -> list[Any]:
+        return list(cast(Any, self.decoder).layers)
+
+    def cross_attention(self, layer: Any) -> Any:
+        """A decoder layer's cross-attention module."""
+        return layer.encoder_attn
+
+    def project_source(self, attn: Any, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A cross-attention module's keys and values [S, heads, head_dim] of encoder states."""
+        shape = (part.shape[0], -1, attn.head_dim)
+        return attn.k_proj(part).view(shape), attn.v_proj(part).view(shape)
 
     @torch.inference_mode()
     def encode(self, source: list[int], device: torch.device) -> torch.Tensor:
@@ -73,11 +92,10 @@ class Seq2SeqParts:
         `positions` (of `encoded`, the whole source's encoder output) into `slots` of the pool."""
         part = encoded[positions]
         for index, layer in enumerate(self.layers):
-            attn = layer.encoder_attn
-            shape = (part.shape[0], -1, attn.head_dim)
+            key, value = self.project_source(self.cross_attention(layer), part)
             keys, values = kv.keys[index], kv.values[index]
-            keys.index_copy_(0, slots, attn.k_proj(part).view(shape).to(keys.dtype))
-            values.index_copy_(0, slots, attn.v_proj(part).view(shape).to(values.dtype))
+            keys.index_copy_(0, slots, key.to(keys.dtype))
+            values.index_copy_(0, slots, value.to(values.dtype))
 
     def forward(
         self,
@@ -96,13 +114,11 @@ class Seq2SeqParts:
         hidden = hidden + self._positions(relative).view_as(hidden).to(hidden.dtype)
         if getattr(decoder, "layernorm_embedding", None) is not None:
             hidden = decoder.layernorm_embedding(hidden)
-        if self._stand_in is None or self._stand_in.device != hidden.device:
-            self._stand_in = hidden.new_zeros((1, 1, hidden.shape[-1]))
         for layer in self.layers:
             hidden = layer(
                 hidden,
                 attention_mask=None,
-                encoder_hidden_states=self._stand_in.to(hidden.dtype),
+                encoder_hidden_states=self.stand_in(hidden),
                 encoder_attention_mask=None,
                 use_cache=False,
                 beamline_ctx=ctx,
@@ -110,6 +126,12 @@ class Seq2SeqParts:
         if getattr(decoder, "layer_norm", None) is not None:
             hidden = decoder.layer_norm(hidden)
         return cast(torch.Tensor, hidden[0])
+
+    def stand_in(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The one-position encoder output each cross-attention is handed (module docstring)."""
+        if self._stand_in is None or self._stand_in.device != hidden.device:
+            self._stand_in = hidden.new_zeros((1, 1, hidden.shape[-1]))
+        return self._stand_in.to(hidden.dtype)
 
     def _positions(self, relative: torch.Tensor) -> torch.Tensor:
         table = cast(Any, self.decoder).embed_positions
@@ -120,8 +142,10 @@ class Seq2SeqParts:
             return cast(torch.Tensor, table((1, relative.numel()), 0, position_ids=relative))
         return cast(torch.Tensor, table.weights.index_select(0, relative + table.padding_idx + 1))
 
-    def add_bias(self, logits: torch.Tensor) -> torch.Tensor:
-        """The families' `final_logits_bias` (a zero vector in most checkpoints) added."""
+    def logits(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 logits, plus the families' `final_logits_bias` (a zero vector
+        in most checkpoints)."""
+        logits = head(hidden).float()
         if self.bias is None:
             return logits
         return logits + self.bias.to(logits.dtype).view(-1)[: logits.shape[-1]]

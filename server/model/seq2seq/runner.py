@@ -26,7 +26,8 @@ import torch
 from server.model.attention import DecodeStep, PagedStep, StepContext
 from server.model.packing import slots
 from server.model.runner import ModelRunner
-from server.model.seq2seq.decoder import Seq2SeqParts
+from server.model.seq2seq.decoder import target_positions
+from server.model.seq2seq.t5 import parts_of
 from server.step_plan import StepOutput, StepPlan
 
 
@@ -34,18 +35,29 @@ class Seq2SeqRunner(ModelRunner):
     encoder_decoder = True
 
     def __init__(self, model_dir: Path, **options: Any) -> None:
+        # the settings it runs with (runner_setup refuses others when asked for): plain layers,
+        # as transformers' families read them (T5's feed-forward reads its weight's dtype)
+        options.update(
+            linear_layout="native",
+            quantization="none",
+            compile_decode=False,
+            cuda_graphs=False,
+            attention_backend="gather",
+            max_loras=0,
+        )
         super().__init__(model_dir, **options)
-        self.parts = Seq2SeqParts(self.model, str(self.config.model_type))
+        self.parts = parts_of(self.model, str(self.config.model_type))
         # the decoder's positions (its table's size); a row also holds its source
-        self.max_target_positions = int(self.config.max_position_embeddings)
+        self.max_target_positions = target_positions(self.config)
         self.max_source_positions = int(
             getattr(self.config, "max_source_positions", None) or self.max_target_positions
         )
         self.max_position_embeddings = self.max_source_positions + self.max_target_positions
         generation = getattr(self.model, "generation_config", None)
         start = getattr(generation, "decoder_start_token_id", None)
-        if start is None:
-            start = self.config.decoder_start_token_id
+        if start is None:  # T5's config names none: the decoder starts from its pad token
+            start = getattr(self.config, "decoder_start_token_id", None)
+            start = self.config.pad_token_id if start is None else start
         self.decoder_start_token_id = int(start)
 
     def _run_decoder(
@@ -59,7 +71,7 @@ class Seq2SeqRunner(ModelRunner):
         return self.parts.forward(input_ids, position_ids, ctx)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.parts.add_bias(self.lm_head(hidden.to(self.head_dtype)).float())
+        return self.parts.logits(self.lm_head, hidden.to(self.head_dtype))
 
     def _execute(self, plan: StepPlan, tables: list[list[int]]) -> StepOutput:
         """Write the plan's sources' keys and values, then run its decoder tokens."""
