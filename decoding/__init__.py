@@ -9,7 +9,8 @@ import torch
 from decoding.beam_search import BeamSearch, BeamStep, Hypothesis, step_beam_searches
 from decoding.group_beam import GroupBeamSearch
 from decoding.logprobs import TokenLogprobs, token_logprobs
-from decoding.params import DecodingParams, DecodingParamsError, check_vocab, request_width
+from decoding.param_checks import DecodingParamsError
+from decoding.params import DecodingParams, check_vocab, request_width
 from decoding.ranking import rank_samples
 from decoding.sampling import SamplingTensors, choose_tokens, process_logits, sample
 

@@ -16,27 +16,27 @@ Strategy rules (`DecodingParams.strategy`), first match wins:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+
+from decoding.param_checks import (
+    LOGIT_BIAS_LIMIT,
+    DecodingParamsError,
+    check,
+    check_int,
+    finite,
+    is_token_id,
+    normalise_bad_words,
+    parse_logit_bias,
+)
 
 Strategy = Literal["greedy", "sample", "beam", "group_beam", "beam_sample", "best_of"]
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 EarlyStopping = bool | Literal["never"]
 
 BEAM_STRATEGIES: frozenset[str] = frozenset({"beam", "group_beam", "beam_sample"})
-LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence/frequency penalties
-
-
-class DecodingParamsError(ValueError):
-    """An invalid decoding parameter; `field` names it so the API can point the client at it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class DecodingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "forced_eos_token_ids", tuple(self.forced_eos_token_ids))
-        object.__setattr__(self, "bad_words_ids", _normalise_bad_words(self.bad_words_ids))
+        object.__setattr__(self, "bad_words_ids", normalise_bad_words(self.bad_words_ids))
         object.__setattr__(self, "logit_bias", parse_logit_bias(self.logit_bias))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
@@ -96,111 +96,111 @@ class DecodingParams:
 
     # ---- validation -----------------------------------------------------------------------------
     def _check_values(self) -> None:
-        _int(self.max_tokens, "max_tokens", low=0)  # 0: only score the prompt
-        _check(
-            _finite(self.temperature) and self.temperature >= 0.0,
+        check_int(self.max_tokens, "max_tokens", low=0)  # 0: only score the prompt
+        check(
+            finite(self.temperature) and self.temperature >= 0.0,
             "temperature",
             "temperature must be >= 0",
         )
-        _int(self.top_k, "top_k", low=-1, hint="top_k must be >= 0 (0 or -1 disables it)")
-        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
-        _check(
-            _finite(self.typical_p) and 0.0 < self.typical_p <= 1.0,
+        check_int(self.top_k, "top_k", low=-1, hint="top_k must be >= 0 (0 or -1 disables it)")
+        check(finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+        check(finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
+        check(
+            finite(self.typical_p) and 0.0 < self.typical_p <= 1.0,
             "typical_p",
             "typical_p must be in (0, 1]",
         )
-        _check(
-            _finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+        check(
+            finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
             "repetition_penalty",
             "repetition_penalty must be > 0 (1 disables it)",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(
-                _finite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT,
+            check(
+                finite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT,
                 name,
                 f"{name} must be in [-2, 2]",
             )
-        _int(self.no_repeat_ngram_size, "no_repeat_ngram_size", low=0)
+        check_int(self.no_repeat_ngram_size, "no_repeat_ngram_size", low=0)
         if self.forced_bos_token_id is not None:
-            _int(self.forced_bos_token_id, "forced_bos_token_id", low=0)
+            check_int(self.forced_bos_token_id, "forced_bos_token_id", low=0)
         for token in self.forced_eos_token_ids:
-            _int(token, "forced_eos_token_ids", low=0)
-        _int(self.min_tokens, "min_tokens", low=0)
-        _int(self.n, "n", low=1)
+            check_int(token, "forced_eos_token_ids", low=0)
+        check_int(self.min_tokens, "min_tokens", low=0)
+        check_int(self.n, "n", low=1)
         if self.best_of is not None:
-            _int(self.best_of, "best_of", low=1)
-        _int(self.num_beams, "num_beams", low=1)
-        _int(self.num_beam_groups, "num_beam_groups", low=1)
-        _check(
-            _finite(self.diversity_penalty) and self.diversity_penalty >= 0.0,
+            check_int(self.best_of, "best_of", low=1)
+        check_int(self.num_beams, "num_beams", low=1)
+        check_int(self.num_beam_groups, "num_beam_groups", low=1)
+        check(
+            finite(self.diversity_penalty) and self.diversity_penalty >= 0.0,
             "diversity_penalty",
             "diversity_penalty must be >= 0",
         )
-        _check(
-            _finite(self.length_penalty), "length_penalty", "length_penalty must be a finite number"
+        check(
+            finite(self.length_penalty), "length_penalty", "length_penalty must be a finite number"
         )
-        _check(
+        check(
             isinstance(self.early_stopping, bool) or self.early_stopping == "never",
             "early_stopping",
             'early_stopping must be true, false or "never"',
         )
-        _check(
+        check(
             self.do_sample is None or isinstance(self.do_sample, bool),
             "do_sample",
             "do_sample must be a boolean",
         )
         if self.logprobs is not None:
-            _int(self.logprobs, "logprobs", low=0)
+            check_int(self.logprobs, "logprobs", low=0)
         if self.prompt_logprobs is not None:
-            _int(self.prompt_logprobs, "prompt_logprobs", low=0)
+            check_int(self.prompt_logprobs, "prompt_logprobs", low=0)
         if self.seed is not None:
-            _check(
+            check(
                 isinstance(self.seed, int) and not isinstance(self.seed, bool),
                 "seed",
                 "seed must be an integer",
             )
-        _check(
+        check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
             "stop strings must not be empty",
         )
-        _check(
-            all(_token_id(t) for t in self.stop_token_ids),
+        check(
+            all(is_token_id(t) for t in self.stop_token_ids),
             "stop_token_ids",
             "token ids must be integers >= 0",
         )
-        _check(
-            all(_token_id(t) for t in self.logit_bias),
+        check(
+            all(is_token_id(t) for t in self.logit_bias),
             "logit_bias",
             "logit_bias keys must be token ids (integers >= 0)",
         )
-        _check(
+        check(
             all(
-                _finite(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
+                finite(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
                 for b in self.logit_bias.values()
             ),
             "logit_bias",
             "logit_bias values must be in [-100, 100]",
         )
-        _check(
-            all(seq and all(_token_id(t) for t in seq) for seq in self.bad_words_ids),
+        check(
+            all(seq and all(is_token_id(t) for t in seq) for seq in self.bad_words_ids),
             "bad_words_ids",
             "bad_words_ids must be non-empty sequences of token ids (integers >= 0)",
         )
-        _check(
+        check(
             self.allowed_token_ids is None
-            or (bool(self.allowed_token_ids) and all(map(_token_id, self.allowed_token_ids))),
+            or (bool(self.allowed_token_ids) and all(map(is_token_id, self.allowed_token_ids))),
             "allowed_token_ids",
             "allowed_token_ids must be a non-empty list of token ids (integers >= 0)",
         )
-        _check(
+        check(
             isinstance(self.priority, int) and not isinstance(self.priority, bool),
             "priority",
             "priority must be an integer",
         )
-        _check(
+        check(
             self.cache_salt is None or (isinstance(self.cache_salt, str) and bool(self.cache_salt)),
             "cache_salt",
             "cache_salt must be a non-empty string",
@@ -310,53 +310,3 @@ def check_vocab(params: DecodingParams, vocab_size: int) -> None:
             raise DecodingParamsError(
                 name, f"token id {bad[0]} is out of the vocabulary (size {vocab_size})"
             )
-
-
-def parse_logit_bias(raw: object) -> dict[int, float]:
-    """A JSON logit_bias (string keys, or None) -> {token id: bias}; DecodingParamsError if not."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise DecodingParamsError("logit_bias", "logit_bias must be a map of token id to bias")
-    out: dict[int, float] = {}
-    for key, value in raw.items():
-        try:
-            token = int(key)  # JSON object keys arrive as strings
-            bias = float(value)
-        except (TypeError, ValueError):
-            raise DecodingParamsError(
-                "logit_bias", "logit_bias must map token ids to numbers"
-            ) from None
-        if isinstance(key, (float, bool)) or (isinstance(key, str) and not key.strip().isdigit()):
-            raise DecodingParamsError(
-                "logit_bias", "logit_bias keys must be token ids (integers >= 0)"
-            )
-        out[token] = bias
-    return out
-
-
-def _normalise_bad_words(raw: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
-    try:  # the annotation is the contract; callers may still pass anything
-        return tuple(tuple(seq) for seq in raw)
-    except TypeError:
-        raise DecodingParamsError(
-            "bad_words_ids", "bad_words_ids must be a list of token id lists"
-        ) from None
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _token_id(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
-
-
-def _int(value: object, name: str, low: int, hint: str | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    _check(ok, name, hint or f"{name} must be an integer >= {low}")
-
-
-def _check(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise DecodingParamsError(field, message)

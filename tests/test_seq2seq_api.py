@@ -23,7 +23,7 @@ from transformers import (
 
 from server.api.app import create_app
 from server.api.serving import ServingContext
-from server.bootstrap import build_serving_context
+from server.bootstrap import ModelLoadFailed, build_serving_context
 from server.config import ServerConfig
 from tests.tiny_seq2seq import build_tiny_seq2seq
 
@@ -340,3 +340,25 @@ async def test_a_json_schema_constrains_a_t5_output(tmp_path: Path) -> None:
             assert r.status_code == 200, r.text
             for choice in r.json()["choices"]:
                 jsonschema.validate(json.loads(choice["text"]), schema)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        ({"quantization": "w8a8"}, "quantization"),
+        ({"torch_compile": True}, "torch_compile"),
+        ({"num_speculative_tokens": 4}, "num_speculative_tokens"),
+        ({"async_scheduling": "on", "attention_backend": "triton"}, "attention_backend triton"),
+    ],
+)
+def test_settings_it_does_not_run_with_are_refused_at_start_up_by_name(
+    bart_dir: Path, flags: dict, named: str
+) -> None:
+    config = ServerConfig(
+        model=str(bart_dir), device="cpu", num_kv_blocks=64, engine_process="off", **flags
+    )
+    with pytest.raises(ModelLoadFailed) as failed:
+        build_serving_context(config)
+    message = str(failed.value)
+    assert "encoder-decoder models do not run with" in message and named in message
+    assert "\n" not in message

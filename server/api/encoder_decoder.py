@@ -25,6 +25,7 @@ from typing import Any, cast
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from server.api.errors import bad_request
+from server.api.openai_model import OpenAIModel
 
 # generation_config.json fields `generate()` applies and beamline does not (start-up names them)
 NOT_APPLIED = (
@@ -47,6 +48,14 @@ BEAM_FIELDS = (
     "no_repeat_ngram_size",
 )
 GENERATE_MAX_LENGTH = 20  # generate()'s max_length when the generation config sets none
+
+
+class LanguageFields(OpenAIModel):
+    """A completion's languages on a translation model with language codes (NLLB, M2M100,
+    mBART), by the names transformers' translation pipeline gives them."""
+
+    src_lang: str | None = None
+    tgt_lang: str | None = None
 
 
 @dataclass(frozen=True)

@@ -62,3 +62,16 @@ def _allows_null(schema: dict[str, Any]) -> bool:
         return True
     branches = schema.get("anyOf", []) + schema.get("oneOf", [])
     return any(isinstance(b, dict) and _allows_null(b) for b in branches)
+
+
+class NoEffectFields(OpenAIModel):
+    """OpenAI's fields that change nothing in what this server returns: accepted, and ignored
+    (server/api/extension_fields.py says why for each)."""
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None

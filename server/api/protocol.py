@@ -9,7 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from server.api.openai_model import OpenAIModel, TokenIds
+from server.api.encoder_decoder import LanguageFields
+from server.api.openai_model import NoEffectFields, OpenAIModel, TokenIds
 from server.api.vllm_fields import VLLMChatFields, VLLMCompletionFields
 
 
@@ -60,7 +61,7 @@ class StructuredOutputs(OpenAIModel):
         return self
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(NoEffectFields):
     """Decoding fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -79,14 +80,6 @@ class SamplingFields(OpenAIModel):
     # Structured outputs (server/api/structured.py): at most one of the two.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    # Accepted and ignored (server/api/extension_fields.py).
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    prediction: dict[str, Any] | None = None
     # Processors and warpers (ranges are checked by decoding.DecodingParams, naming the field).
     min_p: float = 0.0
     typical_p: float = 1.0
@@ -123,16 +116,13 @@ class SamplingFields(OpenAIModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class CompletionRequest(SamplingFields, VLLMCompletionFields):
+class CompletionRequest(SamplingFields, VLLMCompletionFields, LanguageFields):
     stream_options: VLLMStreamOptions | None = None
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt (echo + logprobs), no output
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None  # refused unless empty: no insertion (fill-in-the-middle) here
-    # translation models with language codes (NLLB, M2M100, mBART): as transformers' pipeline
-    src_lang: str | None = None
-    tgt_lang: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts, each text or token ids."""

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from decoding import DecodingParams, check_vocab, request_width
-from decoding.params import parse_logit_bias
+from decoding.param_checks import parse_logit_bias
 from server.api.context import ServingContext
 from server.api.errors import bad_request
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
