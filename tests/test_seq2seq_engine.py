@@ -258,13 +258,18 @@ def test_preempted_rows_are_encoded_again_and_decode_the_same(
 
 
 def test_a_mixed_batch_gives_each_request_its_solo_tokens(family_dirs: dict[str, Path]) -> None:
+    """Greedy, seeded sampling, beams, best_of, group beams and beam sampling in one batch."""
     model_dir = family_dirs["mbart"]
-    ids = sources(model_dir)
+    ids = sources(model_dir) + sources(model_dir)[:2]  # six requests, one per strategy
     strategies = [
         DecodingParams(max_tokens=8, temperature=0),
         DecodingParams(max_tokens=8, temperature=0.9, seed=3, n=2),
         DecodingParams(max_tokens=8, temperature=0, num_beams=3, n=2),
         DecodingParams(max_tokens=8, temperature=0.7, top_k=20, seed=5, best_of=3, n=2),
+        DecodingParams(
+            max_tokens=8, temperature=0, num_beams=4, num_beam_groups=2, diversity_penalty=1.0
+        ),
+        DecodingParams(max_tokens=8, num_beams=3, do_sample=True, seed=7, n=2),
     ]
     solo = []
     for i, (source, params) in enumerate(zip(ids, strategies)):
@@ -276,3 +281,31 @@ def test_a_mixed_batch_gives_each_request_its_solo_tokens(family_dirs: dict[str,
     run_to_completion(engine)
     assert [tokens(m) for m in mixed] == [tokens(s) for s in solo]
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("family", ["marian", "t5"])
+def test_logprobs_are_the_models_own(family_dirs: dict[str, Path], family: str) -> None:
+    """Each output token's logprob and top alternatives: the log-softmax of `generate()`'s raw
+    logits at that step."""
+    model_dir = family_dirs[family]
+    source = sources(model_dir)[0]
+    engine = seq2seq_engine(model_dir)
+    params = DecodingParams(max_tokens=6, temperature=0, logprobs=2)
+    got = submit_source(engine, "r", source, params)
+    run_to_completion(engine)
+    logprobs = [lp for out in got.outputs for lp in out.logprobs or []]
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([source]),
+            max_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert [lp.token_id for lp in logprobs] == out.sequences[0, 1:].tolist()
+    for lp, logits in zip(logprobs, out.logits):
+        expected = logits[0].float().log_softmax(-1)
+        assert lp.logprob == pytest.approx(expected[lp.token_id].item(), abs=1e-4)
+        top = expected.topk(2)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
