@@ -23,8 +23,9 @@ THREADS_PER_WORKER = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS_PER_WORKER))
 
+import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -34,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.api.app import create_app
 from server.api.serving import ServingContext
+from server.bootstrap import build_serving_context
 from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
@@ -191,6 +193,29 @@ def serving_context(engine: Engine, name: str = "tiny", **config: object) -> Ser
         config=ServerConfig(**config),
         metrics=metrics,
     )
+
+
+@contextlib.asynccontextmanager
+async def started_client(
+    model_dir: Path, name: str, **config: object
+) -> AsyncIterator[httpx.AsyncClient]:
+    """`model_dir` started as `beamline serve` starts it (the CPU, a small KV pool, the engine in
+    a thread unless `config` says otherwise), behind an ASGI client; stopped after."""
+    settings: dict = dict(
+        model=str(model_dir),
+        served_model_name=name,
+        device="cpu",
+        num_kv_blocks=128,
+        block_size=4,
+        engine_process="off",
+    )
+    ctx = build_serving_context(ServerConfig(**(settings | config)))
+    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            yield c
+    finally:
+        ctx.engine.shutdown()
 
 
 @pytest.fixture

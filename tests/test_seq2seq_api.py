@@ -25,6 +25,7 @@ from server.api.app import create_app
 from server.api.serving import ServingContext
 from server.bootstrap import ModelLoadFailed, build_serving_context
 from server.config import ServerConfig
+from tests.conftest import started_client
 from tests.tiny_seq2seq import build_tiny_seq2seq
 
 SOURCE = "The quick brown fox jumps over the lazy dog."
@@ -35,27 +36,9 @@ def bart_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_seq2seq(tmp_path_factory.mktemp("seq2seq_api") / "bart", "bart")
 
 
-async def serving(bart_dir: Path, engine_process: str) -> AsyncIterator[httpx.AsyncClient]:
-    config = ServerConfig(
-        model=str(bart_dir),
-        served_model_name="bart",
-        device="cpu",
-        num_kv_blocks=128,
-        block_size=4,
-        engine_process=engine_process,
-    )
-    ctx = build_serving_context(config)  # start-up as `beamline serve` runs it
-    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            yield c
-    finally:
-        ctx.engine.shutdown()
-
-
 @pytest.fixture
 async def client(bart_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
-    async for c in serving(bart_dir, "off"):
+    async with started_client(bart_dir, "bart") as c:
         yield c
 
 
@@ -89,7 +72,7 @@ async def test_a_completion_reads_its_prompt_as_the_source(
 @pytest.mark.timeout(180)
 async def test_the_engine_process_gets_the_source_too(bart_dir: Path) -> None:
     body = {"model": "bart", "prompt": SOURCE, "max_tokens": 10, "temperature": 0}
-    async for c in serving(bart_dir, "on"):
+    async with started_client(bart_dir, "bart", engine_process="on") as c:
         r = await c.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         assert [ch["text"] for ch in r.json()["choices"]] == expected_texts(
@@ -178,7 +161,7 @@ async def configured(bart_dir: Path, tmp_path: Path) -> AsyncIterator[httpx.Asyn
     model = tmp_path / "bart"
     shutil.copytree(bart_dir, model)
     GenerationConfig(**GENERATION).save_pretrained(model)
-    async for c in serving(model, "off"):
+    async with started_client(model, "bart") as c:
         yield c
 
 
@@ -224,7 +207,7 @@ def nllb_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def nllb(nllb_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
-    async for c in serving(nllb_dir, "off"):
+    async with started_client(nllb_dir, "bart") as c:
         yield c
 
 
@@ -322,7 +305,7 @@ async def test_a_json_schema_constrains_a_t5_output(tmp_path: Path) -> None:
         "additionalProperties": False,
     }
     t5 = build_tiny_seq2seq(tmp_path / "t5", "t5")
-    async for c in serving(t5, "off"):
+    async with started_client(t5, "bart") as c:
         for strategy in ({"temperature": 0}, {"num_beams": 3, "n": 2, "temperature": 0}):
             r = await c.post(
                 "/v1/completions",

@@ -5,6 +5,7 @@ preempted and recomputed."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from decoding import DecodingParams
+from server.api.encoder_decoder import SourceModel
 from server.engine.engine import Engine
 from server.model.seq2seq.runner import Seq2SeqRunner
 from tests.engine_driver import Collected, run_to_completion, submit
@@ -23,6 +25,10 @@ SOURCES = [
     "Beam",
     "Once upon a time there was a little model that served many clients at once.",
 ]
+
+
+# what the front end knows of each test engine's model (its decoder's start)
+SOURCE_MODELS: weakref.WeakKeyDictionary[Engine, SourceModel] = weakref.WeakKeyDictionary()
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +47,24 @@ def seq2seq_engine(model_dir: Path, **options: object) -> Engine:
         block_size=settings["block_size"],
         num_blocks=settings["num_blocks"],
     )
-    return Engine(
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = Engine(
         runner,
-        AutoTokenizer.from_pretrained(model_dir),
+        tokenizer,
         max_num_seqs=settings["max_num_seqs"],
         max_num_batched_tokens=settings["batched"],
         enable_prefix_caching=settings.get("prefix_caching", True),
     )
+    model = SourceModel.read(model_dir, tokenizer)
+    assert model is not None
+    SOURCE_MODELS[engine] = model
+    return engine
 
 
 def submit_source(engine: Engine, request_id: str, source: list[int], params: DecodingParams):
-    start = engine.runner.decoder_start_token_id  # type: ignore[attr-defined]
-    return submit(engine, request_id, [*source, start], params, source_len=len(source))
+    """What the front end submits: the source, then the decoder's start (encoder_decoder.py)."""
+    prompt = SOURCE_MODELS[engine].job_prompt(source)
+    return submit(engine, request_id, prompt, params, source_len=len(source))
 
 
 def reference(model_dir: Path, source: list[int], **kwargs: object) -> list[list[int]]:

@@ -13,9 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from server.api.app import create_app
-from server.bootstrap import build_serving_context
-from server.config import ServerConfig
+from tests.conftest import started_client
 from tests.tiny_seq2seq import build_marian_tokenizer, build_tiny_seq2seq
 
 SOURCE = "The quick brown fox jumps over the lazy dog."
@@ -29,21 +27,8 @@ def marian_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def client(marian_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
-    config = ServerConfig(
-        model=str(marian_dir),
-        served_model_name="marian",
-        device="cpu",
-        num_kv_blocks=128,
-        block_size=4,
-        engine_process="off",
-    )
-    ctx = build_serving_context(config)
-    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            yield c
-    finally:
-        ctx.engine.shutdown()
+    async with started_client(marian_dir, "marian") as c:
+        yield c
 
 
 def generated(marian_dir: Path, max_new_tokens: int) -> list[int]:

@@ -12,9 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.api.app import create_app
-from server.bootstrap import build_serving_context
-from server.config import ServerConfig
+from tests.conftest import started_client
 from tests.tiny_models import build_tiny_model
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -35,28 +33,15 @@ def wordpiece_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def client(
     wordpiece_model: Path, caplog: pytest.LogCaptureFixture
 ) -> AsyncIterator[httpx.AsyncClient]:
-    config = ServerConfig(
-        model=str(wordpiece_model),
-        served_model_name="wp",
-        device="cpu",
-        num_kv_blocks=64,
-        block_size=4,
-        engine_process="off",
-    )
-    with caplog.at_level(logging.WARNING, logger="server.grammars"):
-        ctx = build_serving_context(config)  # start-up as `beamline serve` runs it
-    warnings = [r.getMessage() for r in caplog.records if r.name == "server.grammars"]
-    assert warnings == [
-        "structured outputs are off for this model: the grammar engine (llguidance) cannot read "
-        'its tokenizer: can\'t determine decoder type: Some(WordPiece(WordPiece { prefix: "##", '
-        "cleanup: true }))"
-    ]
-    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            yield c
-    finally:
-        ctx.engine.shutdown()
+    caplog.set_level(logging.WARNING, logger="server.grammars")
+    async with started_client(wordpiece_model, "wp") as c:  # start-up as `beamline serve` runs
+        warnings = [r.getMessage() for r in caplog.records if r.name == "server.grammars"]
+        assert warnings == [
+            "structured outputs are off for this model: the grammar engine (llguidance) cannot "
+            "read its tokenizer: can't determine decoder type: Some(WordPiece(WordPiece { prefix: "
+            '"##", cleanup: true }))'
+        ]
+        yield c
 
 
 @pytest.mark.parametrize(

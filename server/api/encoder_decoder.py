@@ -26,6 +26,7 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from server.api.errors import bad_request
 from server.api.openai_model import OpenAIModel
+from server.model.architecture import source_and_target_positions
 
 # generation_config.json fields `generate()` applies and beamline does not (start-up names them)
 NOT_APPLIED = (
@@ -91,12 +92,7 @@ class SourceModel:
         if start is None:  # T5's config names none: the decoder starts from its pad token
             start = getattr(config, "decoder_start_token_id", None)
             start = config.pad_token_id if start is None else start
-        target = int(
-            getattr(config, "max_position_embeddings", None)
-            or getattr(config, "n_positions", None)
-            or 512
-        )
-        source = int(getattr(config, "max_source_positions", None) or target)
+        source, target = source_and_target_positions(config)
         max_new = min(target - 1, int(written.get("max_length", GENERATE_MAX_LENGTH)) - 1)
         return cls(
             int(start),

@@ -58,6 +58,14 @@ def is_seq2seq(config: Any) -> bool:
     )
 
 
+def source_and_target_positions(config: Any) -> tuple[int, int]:
+    """An encoder-decoder model's (source, decoder) positions: its position tables' sizes (T5's
+    relative positions have no table: its configs' n_positions, 512 when they name none)."""
+    size = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    target = int(size or 512)
+    return int(getattr(config, "max_source_positions", None) or target), target
+
+
 def check_loaded_whole(model_dir: Path, loading_info: Mapping[str, Any]) -> None:
     """UnservableModel when transformers' loading info (`output_loading_info=True`) says a weight
     of the files went unused or a weight of the model was not in the files (it would be random);

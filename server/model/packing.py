@@ -8,6 +8,7 @@ decode-only steps take the faster path in runner.py and never come here.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,7 +153,7 @@ def _gather_context(
     decode_lengths: list[int] = []
     decode_sources: list[int] = []
     prefill: list[SeqSlice] = []
-    sources = source_lens or [0] * len(tables)
+    sources = source_lens or itertools.repeat(0)  # decoder-only rows: no source
     for table, first, start, n, source in zip(
         tables, row_starts, plan.starts, plan.num_new, sources
     ):

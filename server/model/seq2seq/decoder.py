@@ -39,13 +39,6 @@ POSITIONS = {
 SCALED_IN_FORWARD = frozenset({"marian", "pegasus"})
 
 
-def target_positions(config: Any) -> int:
-    """The decoder's positions: its position table's size (T5's relative positions have no
-    table: its configs' n_positions, 512 when they name none)."""
-    size = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    return int(size or 512)
-
-
 @dataclass
 class Seq2SeqParts:
     """The parts of a loaded `AutoModelForSeq2SeqLM` a step calls."""
@@ -78,7 +71,6 @@ class Seq2SeqParts:
         shape = (part.shape[0], -1, attn.head_dim)
         return attn.k_proj(part).view(shape), attn.v_proj(part).view(shape)
 
-    @torch.inference_mode()
     def encode(self, source: list[int], device: torch.device) -> torch.Tensor:
         """The encoder's output [S, d_model] for one source (no padding, so no mask)."""
         ids = torch.tensor([source], dtype=torch.long, device=device)

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from server.model.architecture import source_and_target_positions
 from server.model.attention import DecodeStep, PagedStep, StepContext
 from server.model.packing import slots
 from server.model.runner import ModelRunner
-from server.model.seq2seq.decoder import target_positions
 from server.model.seq2seq.t5 import parts_of
 from server.step_plan import StepOutput, StepPlan
 
@@ -47,18 +47,8 @@ class Seq2SeqRunner(ModelRunner):
         )
         super().__init__(model_dir, **options)
         self.parts = parts_of(self.model, str(self.config.model_type))
-        # the decoder's positions (its table's size); a row also holds its source
-        self.max_target_positions = target_positions(self.config)
-        self.max_source_positions = int(
-            getattr(self.config, "max_source_positions", None) or self.max_target_positions
-        )
-        self.max_position_embeddings = self.max_source_positions + self.max_target_positions
-        generation = getattr(self.model, "generation_config", None)
-        start = getattr(generation, "decoder_start_token_id", None)
-        if start is None:  # T5's config names none: the decoder starts from its pad token
-            start = getattr(self.config, "decoder_start_token_id", None)
-            start = self.config.pad_token_id if start is None else start
-        self.decoder_start_token_id = int(start)
+        # a row holds its source, then the decoder's positions (the front end checks each)
+        self.max_position_embeddings = sum(source_and_target_positions(self.config))
 
     def _run_decoder(
         self,
@@ -82,19 +72,18 @@ class Seq2SeqRunner(ModelRunner):
             encoded = self.parts.encode(encode.source, self.device)
             where = slots(tables[row], start, stop, self.block_size).to(self.device)
             self.parts.write_source(self.kv_cache, encoded, slice(start, stop), where)
-        decoder = decoder_part(plan, sources)
-        if decoder is None:  # every row's tokens were source positions (a chunked source)
+        if not plan.encodes:  # the steady state: every row is past its source
+            return self._execute_packed(replace(plan, source_lens=sources), tables)
+        part, kept = decoder_part(plan, sources)
+        if not kept:  # every row's tokens were source positions (a chunked source)
             return StepOutput(torch.empty((0, self.vocab_size), device=self.device))
-        part, kept = decoder
         return self._execute_packed(part, [tables[r] for r in kept])
 
 
-def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int]] | None:
+def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int]]:
     """The plan's decoder tokens: each row's tokens from its source's end on (rows whose step
     covered source positions only are left out; they do not sample), with the kept rows'
-    indexes. The plan itself when no row covers a source position."""
-    if all(start >= source for start, source in zip(plan.starts, sources)):
-        return replace(plan, source_lens=sources), list(range(len(plan)))
+    indexes."""
     part = StepPlan(source_lens=[])
     kept: list[int] = []
     first = 0
@@ -113,4 +102,4 @@ def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int
         elif plan.samples[r]:
             raise RuntimeError(f"row {plan.row_ids[r]} samples inside its source")
         first += n
-    return (part, kept) if kept else None
+    return part, kept
