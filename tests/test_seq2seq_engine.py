@@ -61,6 +61,18 @@ def seq2seq_engine(model_dir: Path, **options: object) -> Engine:
     return engine
 
 
+def encoder_calls(engine: Engine) -> list[int]:
+    """The number of sources of each encoder call the engine's runner makes from now on."""
+    calls: list[int] = []
+    runner = engine.runner
+    assert isinstance(runner, Seq2SeqRunner)
+    runner.parts.encoder.register_forward_hook(
+        lambda _module, _args, kwargs, _out: calls.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    return calls
+
+
 def submit_source(engine: Engine, request_id: str, source: list[int], params: DecodingParams):
     """What the front end submits: the source, then the decoder's start (encoder_decoder.py)."""
     prompt = SOURCE_MODELS[engine].job_prompt(source)
@@ -95,11 +107,13 @@ def test_greedy_in_the_batch_equals_generate(family_dirs: dict[str, Path], famil
     engine = seq2seq_engine(model_dir)
     params = DecodingParams(max_tokens=12, temperature=0)
     ids = sources(model_dir)
+    calls = encoder_calls(engine)
     got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
     run_to_completion(engine)  # the four requests decode in the same steps
     outputs = [tokens(g) for g in got]
-    for source, output in zip(ids, outputs):
+    for source, output in zip(ids, outputs):  # each source's encoding unchanged by padding
         assert output == reference(model_dir, source, max_new_tokens=12)
+    assert calls == [len(ids)]  # one encoder call for the four sources of different lengths
     assert len({tuple(o[0]) for o in outputs}) > 1  # the source matters
     assert engine.stats.max_seqs_in_step == len(ids)
     assert got[0].outputs[-1].prompt_tokens == len(ids[0])  # usage counts the source
@@ -215,17 +229,25 @@ def test_beams_share_the_source_blocks_and_give_them_all_back(
 
 
 @pytest.mark.parametrize("family", ["marian", "t5"])
-def test_a_source_longer_than_a_step_is_encoded_once_per_chunk_and_decodes_the_same(
+def test_a_source_longer_than_a_step_is_encoded_once_and_decodes_the_same(
     family_dirs: dict[str, Path], family: str
 ) -> None:
+    """Its positions are written over several steps from one encoder output; a short source
+    admitted beside it is encoded in the same call."""
     model_dir = family_dirs[family]
-    source = sources(model_dir)[3]
-    assert len(source) > 12
-    engine = seq2seq_engine(model_dir, batched=6)  # the source spans several steps
-    got = submit_source(engine, "r", source, DecodingParams(max_tokens=10, temperature=0))
+    long, short = sources(model_dir)[3], sources(model_dir)[2]
+    assert len(long) > 12 and len(short) < 5
+    engine = seq2seq_engine(model_dir, batched=8)  # the long source spans several steps
+    calls = encoder_calls(engine)
+    params = DecodingParams(max_tokens=10, temperature=0)
+    got = [submit_source(engine, str(i), s, params) for i, s in enumerate((long, short))]
     run_to_completion(engine)
-    assert tokens(got) == reference(model_dir, source, max_new_tokens=10)
-    assert engine.stats.tokens_computed == len(source) + 1 + 9
+    assert tokens(got[0]) == reference(model_dir, long, max_new_tokens=10)
+    assert tokens(got[1]) == reference(model_dir, short, max_new_tokens=10)
+    assert calls == [1, 1] or calls == [2]  # never once per chunk
+    assert engine.stats.tokens_computed == len(long) + len(short) + 2 * (1 + 9)
+    runner = engine.runner
+    assert isinstance(runner, Seq2SeqRunner) and not runner._encoded  # nothing kept after
 
 
 def test_the_prefix_cache_shares_a_source_only_whole(family_dirs: dict[str, Path]) -> None:
@@ -257,10 +279,12 @@ def test_preempted_rows_are_encoded_again_and_decode_the_same(
     model_dir = family_dirs[family]
     ids = sources(model_dir)
     engine = seq2seq_engine(model_dir, num_blocks=24, prefix_caching=False)
+    calls = encoder_calls(engine)
     params = DecodingParams(max_tokens=16, temperature=0, ignore_eos=True)
     got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
     run_to_completion(engine)
     assert engine.stats.preemptions > 0
+    assert sum(calls) > len(ids)  # a preempted row's source is encoded again
     for source, result in zip(ids, got):
         expected = reference(
             model_dir, source, max_new_tokens=16, min_new_tokens=16, eos_token_id=None

@@ -71,20 +71,37 @@ class Seq2SeqParts:
         shape = (part.shape[0], -1, attn.head_dim)
         return attn.k_proj(part).view(shape), attn.v_proj(part).view(shape)
 
-    def encode(self, source: list[int], device: torch.device) -> torch.Tensor:
-        """The encoder's output [S, d_model] for one source (no padding, so no mask)."""
-        ids = torch.tensor([source], dtype=torch.long, device=device)
-        out = self.encoder(input_ids=ids, attention_mask=None, return_dict=True)
-        return cast(torch.Tensor, out.last_hidden_state[0])
+    def encode(self, sources: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+        """The encoder's output [S, d_model] of each source, in one call: the sources padded on
+        the right to the longest (which changes no source's positions), the padded keys masked.
+        The mask is handed over whole ([B, 1, 1, S], True where a key is attended):
+        transformers builds none for an attention function it does not know, as the encoder's
+        is here (attention.py serves it with transformers' SDPA)."""
+        longest = max(len(source) for source in sources)
+        pad = getattr(self.model.config, "pad_token_id", None) or 0
+        ids = torch.full((len(sources), longest), pad, dtype=torch.long)
+        attended = torch.zeros((len(sources), 1, 1, longest), dtype=torch.bool)
+        for index, source in enumerate(sources):
+            ids[index, : len(source)] = torch.tensor(source, dtype=torch.long)
+            attended[index, ..., : len(source)] = True
+        padded = any(len(source) < longest for source in sources)
+        out = self.encoder(
+            input_ids=ids.to(device),
+            attention_mask=attended.to(device) if padded else None,
+            return_dict=True,
+        )
+        states = cast(torch.Tensor, out.last_hidden_state)
+        return [states[index, : len(source)] for index, source in enumerate(sources)]
 
-    def write_source(
-        self, kv: PagedKVCache, encoded: torch.Tensor, positions: slice, slots: torch.Tensor
+    def write_sources(
+        self, kv: PagedKVCache, parts: list[torch.Tensor], slots: torch.Tensor
     ) -> None:
-        """Every decoder layer's cross-attention keys and values of the source positions
-        `positions` (of `encoded`, the whole source's encoder output) into `slots` of the pool."""
-        part = encoded[positions]
+        """Every decoder layer's cross-attention keys and values of the encoder states `parts`
+        (a source's positions each, in the order of `slots`) into those slots of the pool: one
+        projection per layer for the whole step."""
+        states = torch.cat(parts) if len(parts) > 1 else parts[0]
         for index, layer in enumerate(self.layers):
-            key, value = self.project_source(self.cross_attention(layer), part)
+            key, value = self.project_source(self.cross_attention(layer), states)
             keys, values = kv.keys[index], kv.values[index]
             keys.index_copy_(0, slots, key.to(keys.dtype))
             values.index_copy_(0, slots, value.to(values.dtype))

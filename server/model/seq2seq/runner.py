@@ -4,11 +4,12 @@ The engine schedules an encoder-decoder request like any other: its prompt is th
 followed by the decoder's start, so the source's positions are part of the row's block table and
 of its KV budget, beams and `n` samples share them as they share any prompt block, prefix caching
 finds an identical source's blocks, and preemption frees them with the rest. What differs is here:
-a step whose row covers source positions runs the encoder over that row's whole source and writes
-each decoder layer's cross-attention keys and values into those positions (the plan's
-`encodes`); the decoder then runs over the step's decoder tokens only, each row's source length
-telling attention which positions are the source (attention.py) and the decoder which position
-embedding a token takes (decoder.py).
+the first step whose row covers source positions runs the encoder over that row's whole source
+(batched with the other sources the step reaches) and each step writes every decoder layer's
+cross-attention keys and values into the source positions it covers (the plan's `encodes`); the
+decoder then runs over the step's decoder tokens only, each row's source length telling attention
+which positions are the source (attention.py) and the decoder which position embedding a token
+takes (decoder.py).
 
 Encoder-decoder models run on the gather path, eagerly, in the model's dtype: no torch.compile,
 CUDA graphs, int8 quantization, LoRA or tensor parallelism yet (server/model/seq2seq/options.py
@@ -49,6 +50,8 @@ class Seq2SeqRunner(ModelRunner):
         self.parts = parts_of(self.model, str(self.config.model_type))
         # a row holds its source, then the decoder's positions (the front end checks each)
         self.max_position_embeddings = sum(source_and_target_positions(self.config))
+        # encoder outputs of sources whose positions are written over several steps, by row id
+        self._encoded: dict[int, torch.Tensor] = {}
 
     def _run_decoder(
         self,
@@ -66,18 +69,37 @@ class Seq2SeqRunner(ModelRunner):
     def _execute(self, plan: StepPlan, tables: list[list[int]]) -> StepOutput:
         """Write the plan's sources' keys and values, then run its decoder tokens."""
         sources = plan.source_lens or [0] * len(plan)
-        for encode in plan.encodes:
-            row, start = encode.row, plan.starts[encode.row]
-            stop = min(len(encode.source), start + plan.num_new[encode.row])
-            encoded = self.parts.encode(encode.source, self.device)
-            where = slots(tables[row], start, stop, self.block_size).to(self.device)
-            self.parts.write_source(self.kv_cache, encoded, slice(start, stop), where)
-        if not plan.encodes:  # the steady state: every row is past its source
+        for row_id in plan.released:
+            self._encoded.pop(row_id, None)
+        if plan.encodes:
+            self._write_sources(plan, tables)
+        else:  # the steady state: every row is past its source
             return self._execute_packed(replace(plan, source_lens=sources), tables)
         part, kept = decoder_part(plan, sources)
         if not kept:  # every row's tokens were source positions (a chunked source)
             return StepOutput(torch.empty((0, self.vocab_size), device=self.device))
         return self._execute_packed(part, [tables[r] for r in kept])
+
+    def _write_sources(self, plan: StepPlan, tables: list[list[int]]) -> None:
+        """Run the encoder once over the sources this step reaches first (batched), and write
+        the cross-attention keys and values of the positions the step covers. A source longer
+        than the step's budget keeps its encoder output until its last chunk is written, so it
+        is encoded once, not once per chunk."""
+        fresh = [e for e in plan.encodes if plan.row_ids[e.row] not in self._encoded]
+        if fresh:
+            outputs = self.parts.encode([e.source for e in fresh], self.device)
+            for encode, output in zip(fresh, outputs):
+                self._encoded[plan.row_ids[encode.row]] = output
+        parts: list[torch.Tensor] = []
+        where: list[torch.Tensor] = []
+        for encode in plan.encodes:
+            row_id, start = plan.row_ids[encode.row], plan.starts[encode.row]
+            stop = min(len(encode.source), start + plan.num_new[encode.row])
+            parts.append(self._encoded[row_id][start:stop])
+            where.append(slots(tables[encode.row], start, stop, self.block_size))
+            if stop == len(encode.source):
+                del self._encoded[row_id]
+        self.parts.write_sources(self.kv_cache, parts, torch.cat(where).to(self.device))
 
 
 def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int]]:
