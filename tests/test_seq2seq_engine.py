@@ -345,3 +345,22 @@ def test_logprobs_are_the_models_own(family_dirs: dict[str, Path], family: str) 
         assert lp.logprob == pytest.approx(expected[lp.token_id].item(), abs=1e-4)
         top = expected.topk(2)
         assert [t for t, _ in lp.top] == top.indices.tolist()
+
+
+def test_a_decode_step_gathers_each_rows_source_and_decoder_positions_apart() -> None:
+    """Self-attention reads a row's decoder positions only, cross-attention its source only:
+    each gathered once, as wide as its longest part (not the whole row twice)."""
+    from server.model.attention import DecodeStep
+    from server.model.packing import slots
+
+    tables, lengths, sources = [[3, 7, 2], [5, 1]], [11, 6], [7, 2]  # blocks of 4 positions
+    own = DecodeStep.build(tables, lengths, 4, torch.device("cpu"), first=sources)
+    cross = DecodeStep.build(tables, sources, 4, torch.device("cpu"))
+    assert own.lengths.view(-1).tolist() == [4, 4] and own.gather.shape == (2, 4)
+    assert cross.lengths.view(-1).tolist() == [7, 2] and cross.gather.shape == (2, 7)
+    for row, (table, length, source) in enumerate(zip(tables, lengths, sources)):
+        assert (
+            own.gather[row, : length - source].tolist() == slots(table, source, length, 4).tolist()
+        )
+        assert cross.gather[row, :source].tolist() == slots(table, 0, source, 4).tolist()
+        assert int(own.slot_mapping[row]) == int(slots(table, length - 1, length, 4))

@@ -57,7 +57,12 @@ class SeqSlice:
 @dataclass
 class DecodeStep:
     """Rows of one new token each, as one padded batch. Passed alone as a step's context, row b is
-    packed token b; inside a `StepContext`, `decode_index` maps rows to packed tokens."""
+    packed token b; inside a `StepContext`, `decode_index` maps rows to packed tokens.
+
+    An encoder-decoder row's self-attention reads its decoder positions only, so its `gather`
+    starts at the row's source length and `lengths` count from there; its cross-attention reads
+    `cross`, the same rows over their source positions (each part gathered once per step, not the
+    whole row twice)."""
 
     slot_mapping: torch.Tensor  # [B] flat slot of each new token
     gather: torch.Tensor  # [B, L] flat slots of each row's history (and the new token), padded
@@ -66,7 +71,7 @@ class DecodeStep:
     # the pools to attend over, passed in rather than found through the registered attention
     # function: an ahead-of-time compiled decoder reads them from its inputs (compiled_decode.py)
     kv: PagedKVCache | None = None
-    source_lens: torch.Tensor | None = None  # [B, 1] encoder-decoder rows' source positions
+    cross: DecodeStep | None = None  # encoder-decoder rows: their source positions
 
     @classmethod
     def build(
@@ -75,14 +80,27 @@ class DecodeStep:
         lengths: list[int],
         block_size: int,
         device: torch.device,
+        first: list[int] | None = None,
     ) -> DecodeStep:
-        """From each row's block table and context length (history + the new token)."""
-        width = max(lengths)
-        table = padded_tables(tables, -(-width // block_size)).long()
-        positions = torch.arange(width)
-        gather = table[:, positions // block_size] * block_size + positions % block_size
+        """From each row's block table and context length (history + the new token); with
+        `first`, each row's history starts at that position (an encoder-decoder row's source
+        length), and its length counts from there."""
         lens = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
-        slot_mapping = gather.gather(1, lens - 1).squeeze(1)
+        if first is None:
+            width = max(lengths)
+            table = padded_tables(tables, -(-width // block_size)).long()
+            positions = torch.arange(width)
+            gather = table[:, positions // block_size] * block_size + positions % block_size
+        else:
+            offsets = torch.tensor(first, dtype=torch.long).unsqueeze(1)
+            lens = lens - offsets
+            width = max(1, int(lens.max()))
+            end = -(-(max(first) + width) // block_size)
+            table = padded_tables(tables, end).long()
+            positions = torch.arange(width)
+            absolute = (offsets + positions).clamp(max=end * block_size - 1)  # padding: any slot
+            gather = table.gather(1, absolute // block_size) * block_size + absolute % block_size
+        slot_mapping = gather.gather(1, (lens - 1).clamp(min=0)).squeeze(1)
         return cls(
             to_device(slot_mapping, device),
             to_device(gather, device),
@@ -90,14 +108,9 @@ class DecodeStep:
             to_device(positions.unsqueeze(0), device),
         )
 
-    def mask(self, window: int | None, cross: bool = False) -> torch.Tensor:
-        """[B, 1, 1, L]: the keys each row sees (a few element-wise ops, recomputed per layer);
-        `cross`: the source's, for a cross-attention layer."""
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, L]: the keys each row sees (a few element-wise ops, recomputed per layer)."""
         visible = self.positions < self.lengths
-        if self.source_lens is not None:
-            visible &= (
-                self.positions < self.source_lens if cross else self.positions >= self.source_lens
-            )
         if window is not None:
             visible &= self.positions > self.lengths - 1 - window
         return visible[:, None, None, :]
@@ -216,8 +229,8 @@ class PagedKVCache:
         dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
         device = self.keys[0].device
         src, dst = to_device(src, device), to_device(dst, device)
-        for pool in (*self.keys, *self.values):
-            pool[dst] = pool[src]
+        for pool in (*self.keys, *self.values):  # index_select copies src first
+            pool.index_copy_(0, dst, pool.index_select(0, src))
 
 
 RelativeBias = Callable[[torch.Tensor], torch.Tensor]  # key - query distances -> [..., H]
@@ -260,6 +273,10 @@ def _attend_decode(
 ) -> torch.Tensor:
     """q [B, H, D], one query per row, over each row's history in the pools -> [B, H, D];
     `relative`: the layer's relative position bias (T5)."""
+    if cross:
+        if step.cross is None:
+            raise RuntimeError("a cross-attention layer in a step without sources")
+        step = step.cross
     shape = (*step.gather.shape, *k_pool.shape[1:])
     k = (
         k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
@@ -268,7 +285,7 @@ def _attend_decode(
     bias = None
     if relative is not None:  # [B, L, H] -> [B, H, 1, L]
         bias = relative(step.positions - (step.lengths - 1)).permute(0, 2, 1).unsqueeze(2)
-    mask = step.mask(window, cross)
+    mask = step.mask(window)
     return _attend(q.unsqueeze(2), k, v, mask, scaling, softcap, bias).squeeze(2)
 
 

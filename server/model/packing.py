@@ -171,10 +171,14 @@ def _gather_context(
     decode = None
     index = None
     if decode_index:
-        decode = DecodeStep.build(decode_tables, decode_lengths, block_size, device)
         index = to_device(decode_index, device, torch.long)
-        if source_lens is not None:
-            decode.source_lens = to_device(decode_sources, device, torch.long).unsqueeze(1)
+        if source_lens is None:
+            decode = DecodeStep.build(decode_tables, decode_lengths, block_size, device)
+        else:  # self-attention over the decoder's positions, cross-attention over the source's
+            decode = DecodeStep.build(
+                decode_tables, decode_lengths, block_size, device, first=decode_sources
+            )
+            decode.cross = DecodeStep.build(decode_tables, decode_sources, block_size, device)
     per_token = None
     if source_lens is not None:
         counts = torch.tensor(plan.num_new)

@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from server.model.attention import DecodeStep, PagedKVCache, StepContext
+from server.model.attention import PagedKVCache, StepContext
 
 # how each family embeds a decoder position p (0 for the decoder's first token)
 LEARNED = "learned"  # BART, mBART: a table offset by 2, called with position ids
@@ -56,7 +56,9 @@ class Seq2SeqParts:
         for module in self.encoder.modules():  # the encoder attends as transformers' SDPA does
             if hasattr(module, "k_proj") or hasattr(module, "k"):
                 setattr(module, "beamline_unpaged", True)  # noqa: B010  (a marker attribute)
-        self.bias = getattr(self.model, "final_logits_bias", None)
+        bias = getattr(self.model, "final_logits_bias", None)
+        # most checkpoints' bias is zeros: adding it would cost a pass over every step's logits
+        self.bias = bias if bias is not None and bool(bias.any()) else None
         self._stand_in: torch.Tensor | None = None
 
     def _layers(self) -> list[Any]:
@@ -110,7 +112,7 @@ class Seq2SeqParts:
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        ctx: StepContext | DecodeStep,
+        ctx: StepContext,
     ) -> torch.Tensor:
         """Hidden states [T, d_model] of a step's packed decoder tokens ([1, T] ids at their
         absolute row positions; each row's source length is taken off for the embedding)."""

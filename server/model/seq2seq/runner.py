@@ -59,8 +59,8 @@ class Seq2SeqRunner(ModelRunner):
         position_ids: torch.Tensor,
         ctx: StepContext | DecodeStep | PagedStep,
     ) -> torch.Tensor:
-        if isinstance(ctx, PagedStep):
-            raise RuntimeError("encoder-decoder models run on the gather path")
+        if not isinstance(ctx, StepContext):  # every step is packed (_execute)
+            raise RuntimeError("encoder-decoder steps run packed, on the gather path")
         return self.parts.forward(input_ids, position_ids, ctx)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

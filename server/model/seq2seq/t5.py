@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from server.model.attention import DecodeStep, StepContext
+from server.model.attention import StepContext
 from server.model.seq2seq.decoder import Seq2SeqParts
 
 T5_FAMILIES = frozenset({"t5", "mt5"})
@@ -70,7 +70,7 @@ class T5Parts(Seq2SeqParts):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        ctx: StepContext | DecodeStep,
+        ctx: StepContext,
     ) -> torch.Tensor:
         decoder = cast(Any, self.decoder)
         hidden = decoder.embed_tokens(input_ids)
