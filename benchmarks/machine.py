@@ -15,7 +15,7 @@ def machine_info() -> dict:
         "loadavg_1m_at_start": _loadavg(),
         "cpu": cpu_identity(),
     }
-    for mod in ("torch", "transformers", "llama_cpp", "httpx"):
+    for mod in ("torch", "transformers", "llama_cpp", "ctranslate2", "httpx"):
         try:
             info[mod] = __import__(mod).__version__
         except Exception:
