@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
@@ -229,7 +229,7 @@ def generate_defaults(written: dict[str, Any]) -> dict[str, Any]:
     return defaults
 
 
-def refuse_chat() -> None:
+def refuse_chat() -> NoReturn:
     """The chat routes (and the Responses API) on an encoder-decoder model."""
     raise bad_request(
         "this is an encoder-decoder model (translation, summarization): send the source as the "

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from server.api import tools
 from server.api.context import ServingContext
+from server.api.encoder_decoder import refuse_chat
 from server.api.errors import bad_request
 from server.api.protocol import ChatCompletionRequest, ChatMessage, OpenAIModel, TokenIds, Tool
 
@@ -84,6 +85,8 @@ def tokenize(ctx: ServingContext, req: TokenizePromptRequest | TokenizeChatReque
     would run them, or messages' ids as /v1/chat/completions would."""
     if isinstance(req, TokenizePromptRequest):
         ids = encode_text(ctx.tokenizer, req.prompt, "prompt", req.add_special_tokens)
+    elif ctx.encoder_decoder is not None:  # as the chat routes answer on such a model
+        refuse_chat()
     else:
         ids = _chat_ids(ctx, req)
     strs = ctx.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from server.model.attention import PagedKernel, PagedKVCache, make_paged_attention
+from server.model.attention import PagedKernel, make_paged_attention
 from server.model.kv_budget import measure_peak
+from server.model.kv_cache import PagedKVCache
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from server.model.attention import PagedKVCache, StepContext
+from server.model.attention import StepContext
+from server.model.kv_cache import PagedKVCache
 
 # how each family embeds a decoder position p (0 for the decoder's first token)
 LEARNED = "learned"  # BART, mBART: a table offset by 2, called with position ids
