@@ -30,6 +30,7 @@ from transformers import (
     PegasusForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
+    T5Tokenizer,
 )
 
 from tests.tiny_models import CORPUS, build_tokenizer
@@ -131,3 +132,26 @@ def build_marian_tokenizer(vocab_size: int = 120) -> MarianTokenizer:
     return MarianTokenizer(
         str(folder / "source.spm"), str(folder / "target.spm"), str(folder / "vocab.json")
     )
+
+
+def build_t5_tokenizer(vocab_size: int = 120) -> T5Tokenizer:
+    """T5's own kind of tokenizer: a sentencepiece Unigram model (pad 0, </s> 1, <unk> 2, words
+    split on a metaspace, no byte fallback) trained on the tiny corpus, with a few sentinel
+    tokens as T5's checkpoints have them."""
+    folder = Path(tempfile.mkdtemp(prefix="t5-spm-"))
+    (folder / "corpus.txt").write_text(CORPUS)
+    spm.SentencePieceTrainer.train(
+        input=str(folder / "corpus.txt"),
+        model_prefix=str(folder / "t5"),
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=1.0,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        minloglevel=2,
+    )
+    pieces = spm.SentencePieceProcessor(model_file=str(folder / "t5.model"))
+    vocab = [(pieces.id_to_piece(i), pieces.get_score(i)) for i in range(pieces.get_piece_size())]
+    return T5Tokenizer(vocab=vocab, extra_ids=4)
