@@ -93,7 +93,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         # an encoder-decoder step covers sources the plan names: nothing runs ahead of it
         async_scheduling=schedules_async(config.async_scheduling, device.type)
         and not runner.encoder_decoder,
-        speculative_tokens=0 if runner.encoder_decoder else config.num_speculative_tokens,
+        speculative_tokens=config.num_speculative_tokens,
         max_cpu_loras=config.max_cpu_loras,
     )
     for (

@@ -82,8 +82,6 @@ def check_seq2seq_options(config: ServerConfig) -> None:
         "torch_compile": bool(config.torch_compile),
         "attention_backend triton": config.attention_backend == "triton",
         "async_scheduling on": config.async_scheduling == "on",
-        "num_speculative_tokens": config.num_speculative_tokens > 0
-        and "num_speculative_tokens" in config.model_fields_set,
         "LoRA adapters": config.lora_enabled,
         "tensor_parallel_size": config.tensor_parallel_size > 1,
     }

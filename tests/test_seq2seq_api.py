@@ -330,7 +330,6 @@ async def test_a_json_schema_constrains_a_t5_output(tmp_path: Path) -> None:
     [
         ({"quantization": "w8a8"}, "quantization"),
         ({"torch_compile": True}, "torch_compile"),
-        ({"num_speculative_tokens": 4}, "num_speculative_tokens"),
         ({"async_scheduling": "on", "attention_backend": "triton"}, "attention_backend triton"),
     ],
 )

@@ -54,6 +54,7 @@ def seq2seq_engine(model_dir: Path, **options: object) -> Engine:
         max_num_seqs=settings["max_num_seqs"],
         max_num_batched_tokens=settings["batched"],
         enable_prefix_caching=settings.get("prefix_caching", True),
+        speculative_tokens=settings.get("speculative_tokens", 0),
     )
     model = SourceModel.read(model_dir, tokenizer)
     assert model is not None
@@ -364,3 +365,33 @@ def test_a_decode_step_gathers_each_rows_source_and_decoder_positions_apart() ->
         )
         assert cross.gather[row, :source].tolist() == slots(table, 0, source, 4).tolist()
         assert int(own.slot_mapping[row]) == int(slots(table, length - 1, length, 4))
+
+
+@pytest.mark.parametrize("family", ["t5", "marian", "m2m_100"])
+def test_n_gram_drafts_leave_greedy_and_seeded_tokens_unchanged(
+    family_dirs: dict[str, Path], family: str
+) -> None:
+    """Drafts come from the row's own tokens, its source's included (prompt lookup); the tiny
+    models repeat themselves, so drafts are accepted. Greedy rows give generate()'s tokens,
+    seeded ones the tokens they give without drafts, beams run beside them undrafted."""
+    model_dir = family_dirs[family]
+    ids = sources(model_dir)
+    greedy = DecodingParams(max_tokens=24, temperature=0)
+    seeded = DecodingParams(max_tokens=24, temperature=0.8, seed=3)
+    beams = DecodingParams(max_tokens=8, num_beams=3, temperature=0)
+
+    def run(speculative_tokens: int) -> tuple[Engine, list[Collected]]:
+        engine = seq2seq_engine(model_dir, speculative_tokens=speculative_tokens)
+        got = [submit_source(engine, f"g{i}", s, greedy) for i, s in enumerate(ids)]
+        got.append(submit_source(engine, "s", ids[0], seeded))
+        got.append(submit_source(engine, "b", ids[1], beams))
+        run_to_completion(engine)
+        return engine, got
+
+    drafting, drafted = run(4)
+    _, plain = run(0)
+    for source, result in zip(ids, drafted):
+        assert tokens(result) == reference(model_dir, source, max_new_tokens=24)
+    assert [tokens(g) for g in drafted] == [tokens(g) for g in plain]
+    assert drafting.stats.spec_accepted_tokens > 0
+    assert drafting.pool.num_free == drafting.pool.num_blocks

@@ -165,3 +165,16 @@ async def test_a_model_named_by_hub_id_serves_offline_from_the_cache(
         by_dir = await client.post("/v1/completions", json=body)
     assert by_id.status_code == by_dir.status_code == 200
     assert by_id.json()["choices"][0]["text"] == by_dir.json()["choices"][0]["text"]
+
+
+async def test_the_server_drafts_n_grams_for_these_models_as_for_any(t5_dir: Path) -> None:
+    """The default speculation is on for an encoder-decoder model too (this tiny T5 repeats
+    itself, so its drafts are accepted), and the text is the text without it."""
+    body = {"prompt": SOURCE, "max_tokens": 24, "temperature": 0}
+    async with started_client(t5_dir, "t5") as client:  # the default: 8 speculative tokens
+        drafted = (await client.post("/v1/completions", json=body)).json()
+        stats = (await client.get("/v1/engine/stats")).json()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    async with started_client(t5_dir, "t5", num_speculative_tokens=0) as client:
+        plain = (await client.post("/v1/completions", json=body)).json()
+    assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]

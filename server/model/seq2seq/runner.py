@@ -12,8 +12,10 @@ which positions are the source (attention.py) and the decoder which position emb
 takes (decoder.py).
 
 Encoder-decoder models run on the gather path, eagerly, in the model's dtype: no torch.compile,
-CUDA graphs, int8 quantization, LoRA or tensor parallelism yet (server/model/seq2seq/options.py
-refuses them when asked for and turns the devices' defaults off).
+CUDA graphs, int8 quantization, LoRA or tensor parallelism yet (server/runner_setup.py's
+`check_seq2seq_options` refuses them when asked for; the devices' defaults are off for them).
+n-gram speculation works as for any model: its drafts are decoder tokens verified in a packed
+step.
 """
 
 from __future__ import annotations
