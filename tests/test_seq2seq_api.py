@@ -103,7 +103,15 @@ async def test_beam_search_returns_generates_beams(
         ("completions", {"prompt": SOURCE, "max_tokens": 500}, "max_tokens", "invalid_value"),
         ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "messages", None),
     ],
-    ids=["source-too-long", "empty-text", "empty-ids", "echo", "prompt-logprobs", "max-tokens", "chat"],
+    ids=[
+        "source-too-long",
+        "empty-text",
+        "empty-ids",
+        "echo",
+        "prompt-logprobs",
+        "max-tokens",
+        "chat",
+    ],
 )
 async def test_what_does_not_apply_to_a_source_is_a_400_and_the_server_serves_on(
     client: httpx.AsyncClient, route: str, body: dict, param: str, code: str | None
