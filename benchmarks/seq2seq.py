@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -199,11 +200,26 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def command_line(argv: list[str]) -> str:
+    """The run's command, without where it wrote (`--out-dir`, `--model-root`, `--tag`)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out-dir", "--model-root", "--tag"):
+            skip = True
+        elif not arg.startswith(("--out-dir=", "--model-root=", "--tag=")):
+            kept.append(arg)
+    return shlex.join(["python", "-m", "benchmarks.seq2seq", *kept])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     path = args.out_dir / f"{args.tag}.json"
     doc: dict = {
         "complete": False,
+        "command": command_line(sys.argv[1:] if argv is None else argv),
         "machine": machine_info(),
         "settings": {
             "shapes": args.shapes,

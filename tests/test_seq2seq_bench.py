@@ -51,6 +51,10 @@ def test_the_benchmark_runs_every_system_and_reports_its_ratios(tmp_path: Path) 
     assert code == 0
     doc = json.loads((tmp_path / "t.json").read_text())
     assert doc["complete"] and doc["machine"]["ctranslate2"]
+    assert doc["command"] == (
+        "python -m benchmarks.seq2seq --short --concurrency 1,3 --num-requests 6 --rounds 1 "
+        "--max-tokens 6 --ct2 float32:1x2,int8:2x1"
+    )
     for shape in ("tiny-marian", "tiny-t5"):
         for level, requests in (("c=1", 6), ("c=3", 6)):
             systems = doc["results"][shape][level]
