@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.client import CompletionTarget, run_concurrency
+from benchmarks.command import reproducing_command
 from benchmarks.launch import first_model_id, launched_beamline
 from benchmarks.machine import machine_info
 from benchmarks.stats import summarize
@@ -70,20 +70,6 @@ def make_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Pat
         )
         get_peft_model(base, config).save_pretrained(path)
     return paths
-
-
-def command_line(argv: list[str]) -> str:
-    """The command that reproduces a run: its flags but where it wrote its files."""
-    kept: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--out", "--out-dir", "--cache"):
-            skip = True
-        else:
-            kept.append(arg)
-    return " ".join(["python -m benchmarks.lora", *(shlex.quote(a) for a in kept)])
 
 
 def slot_mib(log: Path) -> float | None:
@@ -167,7 +153,9 @@ async def run(args: argparse.Namespace) -> dict:
         "benchmark": "lora",
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(),
-        "command": command_line(args.argv),
+        "command": reproducing_command(
+            "benchmarks.lora", args.argv, ("--out", "--out-dir", "--cache")
+        ),
         "model": str(model_dir),
         "adapters": {"count": len(adapters), "rank": args.rank, "targets": ALL_TARGETS},
         "server_args": lora_args[: len(FIXED_ARGS) + 4] + ["--lora-modules", "..."],

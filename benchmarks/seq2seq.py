@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import shlex
 import sys
 import time
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from benchmarks.command import reproducing_command
 from benchmarks.launch import first_model_id, launched_beamline
 from benchmarks.machine import machine_info
 from benchmarks.serving.report import write_json
@@ -200,26 +200,16 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def command_line(argv: list[str]) -> str:
-    """The run's command, without where it wrote (`--out-dir`, `--model-root`, `--tag`)."""
-    kept: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--out-dir", "--model-root", "--tag"):
-            skip = True
-        elif not arg.startswith(("--out-dir=", "--model-root=", "--tag=")):
-            kept.append(arg)
-    return shlex.join(["python", "-m", "benchmarks.seq2seq", *kept])
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     path = args.out_dir / f"{args.tag}.json"
     doc: dict = {
         "complete": False,
-        "command": command_line(sys.argv[1:] if argv is None else argv),
+        "command": reproducing_command(
+            "benchmarks.seq2seq",
+            sys.argv[1:] if argv is None else argv,
+            ("--out-dir", "--model-root", "--tag"),
+        ),
         "machine": machine_info(),
         "settings": {
             "shapes": args.shapes,
