@@ -121,11 +121,12 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors, exact: bool = True)
     scores = logits.float()
     if t.beam_rows is None and t.processors.empty and t.warpers is None and t.constraint is None:
         return scores
-    if t.beam_rows is not None and len(t.beam_rows) == len(scores):  # beams only: no copy
+    beams_only = t.beam_rows is not None and len(t.beam_rows) == len(scores)
+    if beams_only:  # one new tensor, no copy first
         scores = scores.log_softmax(dim=-1)
     elif scores.data_ptr() == logits.data_ptr():
         scores = scores.clone()  # every step below works in place on our own copy
-    if t.beam_rows is not None and len(t.beam_rows) < len(scores):
+    if t.beam_rows is not None and not beams_only:
         scores[t.beam_rows] = scores[t.beam_rows].log_softmax(dim=-1)
     if t.constraint is not None:  # HF: the prefix-constrained mask, after log_softmax for beams
         apply_constraint_mask_(scores, t.constraint)
