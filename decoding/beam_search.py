@@ -33,6 +33,7 @@ from decoding.beam_scorer import (
     host_pair,
 )
 from decoding.params import DecodingParams
+from decoding.transfer import to_device
 
 
 class RequestSearch:
@@ -139,7 +140,7 @@ def step_beam_searches(
             buckets.setdefault((x.shape[0], x.shape[1], s.group.num_candidates), []).append(i)
     for (rows, vocab, k), members in buckets.items():
         batch = [cast(BeamSearch, searches[i]) for i in members]
-        flat = torch.stack([b.group.accumulate(scores[i]) for b, i in zip(batch, members)])
+        flat = accumulated([b.group for b in batch], [scores[i] for i in members])
         values, index = flat.topk(min(k, rows * vocab), dim=-1)
         values_l, index_l = host_pair(values, index)
         for j, (b, i) in enumerate(zip(batch, members)):
@@ -148,3 +149,34 @@ def step_beam_searches(
             )
             results[i] = b.apply(cand)
     return [r for r in results if r is not None]
+
+
+def accumulated(groups: Sequence[BeamGroup], scores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[searches, rows * V]: each group's `accumulate(scores)`, stacked. Where the scores are
+    rows that lie back to back in one tensor (the engine hands each request's rows of one
+    step's scores, adjacent), that is one add over the block with every running score, not an
+    add per search and a copy of them all."""
+    block = adjacent_rows(scores)
+    if block is None:
+        return torch.stack([g.accumulate(x) for g, x in zip(groups, scores)])
+    running = to_device(torch.cat([g.beam_scores for g in groups]), block.device)
+    return (block.float() + running.unsqueeze(1)).view(len(groups), -1)
+
+
+def adjacent_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one [rows, V] tensor whose consecutive row ranges `parts` are (None where they are
+    not: another layout, or a gap between two of them)."""
+    first = parts[0]
+    if first.dim() != 2 or not first.is_contiguous():
+        return None
+    width, size = first.shape[1], first.element_size()
+    at = first.data_ptr()
+    for part in parts:
+        same = part.dim() == 2 and part.shape[1] == width and part.dtype == first.dtype
+        if not (same and part.is_contiguous() and part.data_ptr() == at):
+            return None
+        if part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        at += part.numel() * size
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, width), (width, 1))

@@ -18,7 +18,8 @@ from decoding import (
     process_logits,
     step_beam_searches,
 )
-from decoding.beam_scorer import BeamStep, FinishedHypotheses, Hypothesis
+from decoding.beam_scorer import BeamGroup, BeamStep, FinishedHypotheses, Hypothesis
+from decoding.beam_search import accumulated, adjacent_rows
 
 EOS, A, B, C = 0, 1, 2, 3
 EOS_IDS = frozenset({EOS})
@@ -282,6 +283,24 @@ def test_step_beam_searches_matches_stepping_each_alone() -> None:
             old = rows_of[id(s)]
             rows_of[id(s)] = [old[p] + [tok] for p, tok in zip(step.parents, step.tokens)]
     assert [as_pairs(s.finalize()) for s in searches] == alone
+
+
+def test_searches_whose_rows_lie_back_to_back_are_accumulated_in_one_add() -> None:
+    groups = [BeamGroup(2, frozenset({0}), 1.0, False, 8) for _ in range(3)]
+    for index, group in enumerate(groups):
+        group.beam_scores = torch.tensor([-0.5 * index, -1.5 - index])
+    block = torch.randn(6, 11).log_softmax(dim=-1)
+    views = [block[0:2], block[2:4], block[4:6]]
+    assert adjacent_rows(views) is not None
+    expected = torch.stack([g.accumulate(x) for g, x in zip(groups, views)])
+    assert torch.equal(accumulated(groups, views), expected)
+    gap = [block[0:2], block[4:6]]  # another request's rows between them
+    assert adjacent_rows(gap) is None
+    assert torch.equal(
+        accumulated(groups[:2], gap), torch.stack([g.accumulate(x) for g, x in zip(groups, gap)])
+    )
+    apart = [torch.randn(2, 11), torch.randn(2, 11)]
+    assert adjacent_rows(apart) is None
 
 
 # ---- group beam search --------------------------------------------------------------------------
