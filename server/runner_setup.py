@@ -49,7 +49,7 @@ def build_runner(
     if is_seq2seq(text_config(model_dir)):
         check_seq2seq_options(config)
         log.info("encoder-decoder model: eager steps in %s, gather attention", dtype)
-        return Seq2SeqRunner(model_dir, **pool)
+        return Seq2SeqRunner(model_dir, **pool, linear_layout=config.linear_layout)
     quantization = resolve_quantization(config.quantization, config.dtype, device)
     compile_decode = resolve_torch_compile(
         config.torch_compile, config.quantization, quantization, device

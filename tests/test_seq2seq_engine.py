@@ -46,6 +46,7 @@ def seq2seq_engine(model_dir: Path, **options: object) -> Engine:
         dtype=torch.float32,
         block_size=settings["block_size"],
         num_blocks=settings["num_blocks"],
+        linear_layout=settings.get("linear_layout", "auto"),
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = Engine(
@@ -166,6 +167,27 @@ def test_beam_search_in_the_batch_equals_generate(
         assert tokens(result) == expected
     assert engine.stats.max_seqs_in_step == 3 * num_beams
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("family", ["bart", "t5", "mt5"])
+@pytest.mark.parametrize("layout", ["onednn", "transposed", "measured"])
+def test_the_cpu_linear_layouts_decode_as_generate(
+    family_dirs: dict[str, Path], family: str, layout: str
+) -> None:
+    """The decoder's layers and the LM head in each CPU layout (T5's feed-forward reads the
+    dtype of a weight these layouts keep under another name)."""
+    model_dir = family_dirs[family]
+    engine = seq2seq_engine(model_dir, linear_layout=layout)
+    assert engine.runner.linear_layout == layout
+    params = DecodingParams(max_tokens=10, temperature=0, num_beams=3, n=2)
+    ids = sources(model_dir)[:2]
+    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
+    run_to_completion(engine)
+    for source, result in zip(ids, got):
+        expected = reference(
+            model_dir, source, max_new_tokens=10, num_beams=3, num_return_sequences=2
+        )
+        assert tokens(result) == expected
 
 
 @pytest.mark.parametrize("family", ["bart", "marian", "t5"])

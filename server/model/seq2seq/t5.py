@@ -46,6 +46,16 @@ def relative_bias(attention: Any, relative: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, attention.relative_attention_bias(buckets))
 
 
+def weight_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype of a linear layer's weight, under whichever name its layout keeps it
+    (cpu_linear.py, quantization.py): what T5 reads `wo.weight` for."""
+    for name in ("weight_int8", "packed", "weight_t"):
+        held = getattr(layer, name, None)
+        if isinstance(held, torch.Tensor):
+            return held.dtype
+    raise TypeError(f"no weight found in {type(layer).__name__}")
+
+
 class T5Parts(Seq2SeqParts):
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,6 +63,10 @@ class T5Parts(Seq2SeqParts):
         bias = functools.partial(relative_bias, first)
         for layer in self.layers:
             layer.layer[0].SelfAttention.beamline_relative_bias = bias
+        for layer in self.layers:  # T5's feed-forward casts its input to `wo.weight`'s dtype
+            wo = layer.layer[-1].DenseReluDense.wo
+            if not isinstance(getattr(wo, "weight", None), torch.Tensor):
+                wo.weight = torch.empty(0, dtype=weight_dtype(wo))  # a CPU layout's layer
         self.scale = cast(Any, self.model).model_dim ** -0.5
         self.scales_output = bool(getattr(self.model.config, "scale_decoder_outputs", False))
 
