@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from server.config import ServerConfig
+from server.host_memory import keep_freed_memory
 from server.model.architecture import is_seq2seq
 from server.model.devices import (
     compiler_available,
@@ -33,6 +34,8 @@ def build_runner(
 ) -> ModelRunner:
     """Load the weights (this rank's share under `tp`) and size the KV pool."""
     dtype = pick_dtype(config.dtype, device)
+    if device.type == "cpu":  # a CPU step's big tensors on pages already touched
+        keep_freed_memory()
     pool: dict[str, Any] = dict(  # what every runner is given
         device=device,
         dtype=dtype,
