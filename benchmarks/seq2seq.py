@@ -3,21 +3,27 @@ against CTranslate2 and transformers' `generate()` in the same run.
 
 For each model shape (random weights: `benchmarks/translation/models.py`), seeded sources of
 10-60 tokens, beam search of width 4, exactly 64 new tokens each (EOS forbidden before: every
-system decodes the same lengths). At each concurrency level c: a launched `beamline serve` with c
-clients in a closed loop; then, with the server stopped, CTranslate2's `translate_batch` on static
-batches of c sources in each configuration given (compute type and thread split; its best is the
-baseline of the ratio), then `generate()` on static batches of c. Output tokens per second of the
-best hypotheses, the ratios, and how many requests give `generate()`'s tokens exactly (beamline
-runs in float32, its exact mode for these models; CTranslate2's float32 is shown for reference).
-Speed is reported, never asserted. JSON under `--out-dir` (rewritten after every system).
+system decodes the same lengths). At each concurrency level c, in turns: a launched `beamline
+serve` with c clients in a closed loop; CTranslate2's `translate_batch` on static batches of c
+sources in each configuration given (compute type and thread split; its best is the baseline of
+the ratio); `generate()` on static batches of c. The server stays up, idle, while the others run.
+Each system runs `--repeats` turns, spread over the level, and keeps its fastest: on a shared host
+a neighbour's load slows whichever system runs at that moment (the JSON lists every turn). Output
+tokens per second of the best hypotheses, the ratios, and how many requests give `generate()`'s
+tokens exactly (beamline runs in float32, its exact mode for these models; CTranslate2's float32
+is shown for reference). Speed is reported, never asserted. JSON under `--out-dir` (rewritten
+after every turn).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -58,6 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--beamline-args", default="", help="extra `beamline serve` flags")
     p.add_argument("--threads", type=int, default=2, help="generate()'s torch threads")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="turns of every system at each level, the fastest kept (default 2; 1 with --short)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-root", type=Path, default=MODEL_ROOT)
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
@@ -70,6 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         int(c) for c in (args.concurrency or ("1,4" if short else "1,16")).split(",")
     ]
     args.num_requests = args.num_requests or (8 if short else 32)
+    args.repeats = args.repeats or (1 if short else 2)
     args.max_tokens = args.max_tokens or (8 if short else 64)
     default_ct2 = "float32:1x2" if short else "float32:1x2,int8:1x2,float32:2x1,int8:2x1"
     args.ct2 = [parse_ct2(s) for s in (args.ct2 or default_ct2).split(",")]
@@ -125,40 +138,57 @@ def measure_shape(args: argparse.Namespace, shape: str, doc: dict, path: Path) -
         vocab, args.num_requests, args.source_tokens, tokenizer.eos_token_id, args.seed
     )
     levels: dict[str, dict] = doc["results"].setdefault(shape, {})
-    runs: dict[tuple[int, str], Run] = {}
+    best: dict[tuple[int, str], Run] = {}
 
     def keep(level: int, system: str, run: Run) -> None:
-        runs[level, system] = run
-        levels.setdefault(f"c={level}", {})[system] = record(run)
+        """Keep the system's fastest turn at the level, with every turn's speed."""
+        if (level, system) not in best or run.tokens_per_s() > best[level, system].tokens_per_s():
+            best[level, system] = run
+        row = levels.setdefault(f"c={level}", {})
+        turns = row.get(system, {}).get("turns_tokens_per_s", [])
+        row[system] = record(best[level, system])
+        row[system]["turns_tokens_per_s"] = [*turns, run.tokens_per_s()]
         print(f"{shape} c={level} {system}: {run.tokens_per_s():.1f} tok/s", file=sys.stderr)
         write_json(doc, path)
 
-    if "beamline" in args.systems:
-        log = args.out_dir / f"{args.tag}-{shape}-server.log"
-        extra = ["--dtype", "float32", *args.beamline_args.split()]
-        with launched_beamline(str(model_dir), log, extra) as (base_url, _ready):
-            name = first_model_id(base_url)
-            run_beamline(base_url, name, sources[:1], decode, 1)  # warm-up
-            for c in args.concurrency:
-                keep(
-                    c,
-                    "beamline",
-                    run_beamline(base_url, name, level_sources(sources, c, args.rounds), decode, c),
+    with contextlib.ExitStack() as stack:
+        serving: tuple[str, str] | None = None
+        if "beamline" in args.systems:  # up for the whole shape, idle while the others run
+            log = args.out_dir / f"{args.tag}-{shape}-server.log"
+            extra = ["--dtype", "float32", *args.beamline_args.split()]
+            base_url, _ready = stack.enter_context(launched_beamline(str(model_dir), log, extra))
+            serving = base_url, first_model_id(base_url)
+            run_beamline(*serving, sources[:1], decode, 1)  # warm-up
+        for c in args.concurrency:
+            part = level_sources(sources, c, args.rounds)
+            turn: list[tuple[str, Callable[[], Run]]] = []
+            if serving is not None:
+                turn.append(
+                    ("beamline", functools.partial(run_beamline, *serving, part, decode, c))
                 )
-    for c in args.concurrency:
-        part = level_sources(sources, c, args.rounds)
-        if "ctranslate2" in args.systems:
-            for setting in args.ct2:
-                if setting.inter == 1 or c > 1:
-                    keep(
-                        c,
-                        setting.label,
-                        run_ctranslate2(model_dir, tokenizer, part, decode, c, setting),
+            if "ctranslate2" in args.systems:
+                turn += [
+                    (
+                        s.label,
+                        functools.partial(
+                            run_ctranslate2, model_dir, tokenizer, part, decode, c, s
+                        ),
                     )
-        if "generate" in args.systems:
-            keep(c, "generate", run_generate(model_dir, part, decode, c, args.threads))
+                    for s in args.ct2
+                    if s.inter == 1 or c > 1
+                ]
+            if "generate" in args.systems:
+                turn.append(
+                    (
+                        "generate",
+                        functools.partial(run_generate, model_dir, part, decode, c, args.threads),
+                    )
+                )
+            for _ in range(args.repeats):
+                for system, run in turn:
+                    keep(c, system, run())
     for c in args.concurrency:
-        summarize_level(levels[f"c={c}"], {s: r for (lv, s), r in runs.items() if lv == c})
+        summarize_level(levels[f"c={c}"], {s: r for (lv, s), r in best.items() if lv == c})
     write_json(doc, path)
 
 
@@ -223,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "ctranslate2": [s.label for s in args.ct2],
             "beamline_args": args.beamline_args,
+            "repeats": args.repeats,
         },
         "results": {},
     }
