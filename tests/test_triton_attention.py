@@ -14,8 +14,9 @@ from transformers import AutoTokenizer
 
 from decoding import DecodingParams
 from server.engine.engine import Engine
-from server.model.attention import PagedStep, _attend
+from server.model.attention import _attend
 from server.model.devices import pick_attention_backend
+from server.model.paged_step import PagedStep
 from server.model.runner import ModelRunner
 from server.model.triton_attention import paged_attention
 from tests.conftest import TEST_DEVICE

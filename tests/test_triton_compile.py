@@ -23,7 +23,7 @@ import torch
 
 from decoding import DecodingParams
 from server.model import triton_attention
-from server.model.attention import PagedStep
+from server.model.paged_step import PagedStep
 from server.model.triton_attention import launch_config, paged_attention
 from tests.conftest import TEST_DEVICE
 from tests.engine_driver import generate

@@ -100,7 +100,7 @@ def _calls(
     """(layer kind, a `paged_attention` call) of one step of `shape` in `dtype`: two sequences,
     one token each (decode) or a 3-token chunk after 5 cached tokens and a 40-token prompt."""
     from server.model import triton_attention
-    from server.model.attention import PagedStep
+    from server.model.paged_step import PagedStep
 
     head_dim, heads, kv_heads, windowed, capped = MODEL_SHAPES[shape]
     num_new = [1, 1] if kind == "decode" else [3, 40]

@@ -24,24 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from decoding.transfer import to_device
 from server.model.kv_cache import PagedKVCache
+from server.model.paged_step import PagedStep, padded_tables
 
 ATTENTION_NAME = "beamline_paged"
-
-
-def padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
-    """Block tables as one int32 [rows, width] host tensor, zero-padded (a row longer than
-    `width` is cut). Row by row through numpy: 4x faster than torch.tensor on nested lists."""
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    for row, table in zip(out, tables):
-        row[: len(table)] = table[:width]
-    return torch.from_numpy(out)
 
 
 @dataclass
@@ -62,8 +53,8 @@ class DecodeStep:
 
     An encoder-decoder row's self-attention reads its decoder positions only, so its `gather`
     starts at the row's source length and `lengths` count from there; its cross-attention reads
-    `cross`, the same rows over their source positions (each part gathered once per step, not the
-    whole row twice)."""
+    `cross`, each distinct source once (each part gathered once per step, not the whole row
+    twice)."""
 
     slot_mapping: torch.Tensor  # [B] flat slot of each new token
     gather: torch.Tensor  # [B, L] flat slots of each row's history (and the new token), padded
@@ -72,7 +63,7 @@ class DecodeStep:
     # the pools to attend over, passed in rather than found through the registered attention
     # function: an ahead-of-time compiled decoder reads them from its inputs (compiled_decode.py)
     kv: PagedKVCache | None = None
-    cross: DecodeStep | None = None  # encoder-decoder rows: their source positions
+    cross: CrossStep | None = None  # encoder-decoder rows: their sources
 
     @classmethod
     def build(
@@ -118,6 +109,43 @@ class DecodeStep:
 
 
 @dataclass
+class CrossStep:
+    """The cross-attention of a step's one-token rows of encoder-decoder models. Rows whose
+    source is the same blocks (a request's beams and `n` samples, which share them, and identical
+    sources the prefix cache shares) attend over one gather of it: each distinct source is a row
+    of `sources`, and its rows' queries sit side by side, `per_source` slots for each, so that
+    attention reads a source's keys once for all of its rows."""
+
+    sources: DecodeStep  # [G, L]: each distinct source's positions
+    query_slots: torch.Tensor  # [B] where row b's query sits among the G x per_source slots
+    per_source: int  # query slots per source: the most rows one source has
+
+    @classmethod
+    def build(
+        cls, tables: list[list[int]], sources: list[int], block_size: int, device: torch.device
+    ) -> CrossStep:
+        """From each row's block table and source length."""
+        distinct: dict[tuple[int, ...], int] = {}
+        firsts: list[int] = []  # the first row of each distinct source
+        counts: list[int] = []
+        where: list[tuple[int, int]] = []  # (source, rank among its rows) of each row
+        for row, (table, source) in enumerate(zip(tables, sources)):
+            key = (source, *table[: -(-source // block_size)])
+            index = distinct.setdefault(key, len(firsts))
+            if index == len(firsts):
+                firsts.append(row)
+                counts.append(0)
+            where.append((index, counts[index]))
+            counts[index] += 1
+        width = max(counts)
+        step = DecodeStep.build(
+            [tables[r] for r in firsts], [sources[r] for r in firsts], block_size, device
+        )
+        slots = to_device([index * width + rank for index, rank in where], device, torch.long)
+        return cls(step, slots, width)
+
+
+@dataclass
 class StepContext:
     """Context of a step with prefill chunks; its one-token rows, if any, form a `DecodeStep`."""
 
@@ -145,56 +173,6 @@ class StepContext:
                 mask &= k_pos > q_pos - window
             self._cache[key] = mask[None, None]
         return self._cache[key]
-
-
-@dataclass
-class PagedStep:
-    """A step's metadata for the paged-attention kernel (triton_attention.py), which reads keys
-    and values through the block tables itself: the packed queries cut into tiles of up to
-    `block_q` tokens of one sequence."""
-
-    slot_mapping: torch.Tensor  # [T] flat slot of each packed token
-    block_tables: torch.Tensor  # [S, max_blocks] int32, one row per sequence in the step
-    tile_seq: torch.Tensor  # [tiles] int32: the sequence (row of block_tables) of each tile
-    tile_token: torch.Tensor  # [tiles] int32: packed index of the tile's first query
-    tile_len: torch.Tensor  # [tiles] int32: queries in the tile (<= block_q)
-    tile_pos: torch.Tensor  # [tiles] int32: position of the tile's first query in its sequence
-    block_q: int  # query tokens per tile (1 when every sequence adds one token)
-    block_size: int  # tokens per KV block
-
-    @classmethod
-    def build(
-        cls,
-        tables: list[list[int]],
-        starts: list[int],
-        num_new: list[int],
-        block_size: int,
-        device: torch.device,
-    ) -> PagedStep:
-        """Sequence i adds tokens at positions starts[i] .. starts[i] + num_new[i] - 1, packed in
-        order; `tables[i]` covers them. Built on the host, copied without blocking the host."""
-        block_q = 1 if max(num_new) == 1 else 16
-        table = padded_tables(tables, max(len(t) for t in tables))
-        tiles: list[tuple[int, int, int, int]] = []  # (seq, first token, length, first pos)
-        first = 0
-        for i, (start, n) in enumerate(zip(starts, num_new)):
-            tiles += [(i, first + o, min(block_q, n - o), start + o) for o in range(0, n, block_q)]
-            first += n
-        counts = torch.tensor(num_new)
-        rows = torch.repeat_interleave(torch.arange(len(tables)), counts)
-        packed_first = counts.cumsum(0) - counts  # packed index of each sequence's first token
-        shift = torch.tensor(starts) - packed_first  # position minus packed index, per sequence
-        pos = torch.arange(first) + torch.repeat_interleave(shift, counts)
-        slots = table[rows, pos // block_size].long() * block_size + pos % block_size
-        # [4, tiles] padded to a multiple of 4 columns: each row starts 16-byte aligned, so the
-        # kernel's pointer specialisation is the same whatever the number of tiles (no recompile)
-        meta = torch.zeros((4, -(-len(tiles) // 4) * 4), dtype=torch.int32)
-        meta[:, : len(tiles)] = torch.tensor(tiles, dtype=torch.int32).T
-        if device.type == "cuda":
-            slots, table, meta = slots.pin_memory(), table.pin_memory(), meta.pin_memory()
-        slots, table, meta = (t.to(device, non_blocking=True) for t in (slots, table, meta))
-        seq, token, length, pos = meta[:, : len(tiles)]
-        return cls(slots, table, seq, token, length, pos, block_q, block_size)
 
 
 RelativeBias = Callable[[torch.Tensor], torch.Tensor]  # key - query distances -> [..., H]
@@ -240,7 +218,7 @@ def _attend_decode(
     if cross:
         if step.cross is None:
             raise RuntimeError("a cross-attention layer in a step without sources")
-        step = step.cross
+        return _attend_sources(q, k_pool, v_pool, step.cross, scaling, softcap)
     shape = (*step.gather.shape, *k_pool.shape[1:])
     k = (
         k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
@@ -251,6 +229,32 @@ def _attend_decode(
         bias = relative(step.positions - (step.lengths - 1)).permute(0, 2, 1).unsqueeze(2)
     mask = step.mask(window)
     return _attend(q.unsqueeze(2), k, v, mask, scaling, softcap, bias).squeeze(2)
+
+
+def _attend_sources(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    cross: CrossStep,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [B, H, D], one query per row, over its source's keys -> [B, H, D]: the queries of one
+    source's rows side by side against one gather of its keys (CrossStep)."""
+    step = cross.sources
+    sources, width = step.gather.shape[0], cross.per_source
+    shape = (*step.gather.shape, *k_pool.shape[1:])
+    k = k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
+    v = v_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
+    side_by_side = q.new_zeros((sources * width, *q.shape[1:]))
+    side_by_side.index_copy_(0, cross.query_slots, q)
+    grouped = side_by_side.view(sources, width, *q.shape[1:]).transpose(1, 2)  # [G, H, W, D]
+    out = _attend(grouped, k, v, step.mask(None), scaling, softcap)  # [G, H, W, D]
+    return (
+        out.transpose(1, 2)
+        .reshape(sources * width, *q.shape[1:])
+        .index_select(0, cross.query_slots)
+    )
 
 
 PagedKernel = Callable[..., torch.Tensor]  # triton_attention.paged_attention's signature

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from server.model.attention import DecodeStep, PagedStep, StepContext
+from server.model.attention import DecodeStep, StepContext
+from server.model.paged_step import PagedStep
 
 log = logging.getLogger(__name__)
 ExampleInputs = Callable[[int], tuple[torch.Tensor, torch.Tensor, DecodeStep]]

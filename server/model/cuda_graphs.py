@@ -30,8 +30,8 @@ import torch
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-from server.model.attention import PagedStep, padded_tables
 from server.model.lora.modules import LoRAModules, LoRAStep
+from server.model.paged_step import PagedStep, padded_tables
 from server.step_plan import NO_ADAPTER
 
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, PagedStep], torch.Tensor]

@@ -16,7 +16,8 @@ import torch
 
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from decoding.transfer import to_device
-from server.model.attention import DecodeStep, PagedStep, SeqSlice, StepContext
+from server.model.attention import CrossStep, DecodeStep, SeqSlice, StepContext
+from server.model.paged_step import PagedStep
 from server.step_plan import PlanScore, StepPlan, TableEdit
 
 
@@ -178,7 +179,7 @@ def _gather_context(
             decode = DecodeStep.build(
                 decode_tables, decode_lengths, block_size, device, first=decode_sources
             )
-            decode.cross = DecodeStep.build(decode_tables, decode_sources, block_size, device)
+            decode.cross = CrossStep.build(decode_tables, decode_sources, block_size, device)
     per_token = None
     if source_lens is not None:
         counts = torch.tensor(plan.num_new)

@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decoding.transfer import to_device
-from server.model.attention import ATTENTION_NAME, DecodeStep, PagedStep, StepContext
+from server.model.attention import ATTENTION_NAME, DecodeStep, StepContext
 from server.model.compiled_decode import decode_forward
 from server.model.compiled_steps import CompiledSteps
 from server.model.cuda_graphs import DecodeGraphs
@@ -42,6 +42,7 @@ from server.model.packing import (
     scratch_plan,
     verify_inputs,
 )
+from server.model.paged_step import PagedStep
 from server.model.row_tables import RowTables
 from server.model.weights import load_serving_weights, text_config
 from server.parallel.group import TPGroup

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from server.model.attention import PagedStep
+from server.model.paged_step import PagedStep
 
 # A compiled kernel may read only constexpr globals (the interpreter reads any).
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from server.model.architecture import source_and_target_positions
-from server.model.attention import DecodeStep, PagedStep, StepContext
+from server.model.attention import DecodeStep, StepContext
 from server.model.packing import slots
+from server.model.paged_step import PagedStep
 from server.model.runner import ModelRunner
 from server.model.seq2seq.t5 import parts_of
 from server.step_plan import StepOutput, StepPlan
