@@ -58,7 +58,8 @@ class ServerConfig(LoRASettings, ParallelSettings):
         "layers; w8a8: int8 LM head, decoder layers as int8 x int8 GEMMs (per-token activation "
         "scales); every int8 head re-scores each row's top candidates exactly; auto = w8a8 on a "
         "CPU with int8 dot-product instructions (VNNI, AMX) when dtype is auto, else none "
-        "(--dtype float32 is the exact mode)",
+        "(--dtype float32 is the exact mode); encoder-decoder models: none under auto, an int8 "
+        "format only when named",
     )
     linear_layout: Literal["auto", "onednn", "measured", "transposed", "native"] = Field(
         "auto",

@@ -338,7 +338,6 @@ async def test_a_json_schema_constrains_a_t5_output(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "flags, named",
     [
-        ({"quantization": "w8a8"}, "quantization"),
         ({"torch_compile": True}, "torch_compile"),
         ({"async_scheduling": "on", "attention_backend": "triton"}, "attention_backend triton"),
     ],
@@ -354,3 +353,23 @@ def test_settings_it_does_not_run_with_are_refused_at_start_up_by_name(
     message = str(failed.value)
     assert "encoder-decoder models do not run with" in message and named in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(("asked", "used"), [("auto", "none"), ("w8a8", "w8a8"), ("int8", "int8")])
+def test_an_int8_format_is_used_when_named_and_auto_stays_exact(
+    bart_dir: Path, asked: str, used: str
+) -> None:
+    from server.loading import load_engine
+
+    config = ServerConfig(
+        model=str(bart_dir),
+        device="cpu",
+        num_kv_blocks=64,
+        engine_process="off",
+        quantization=asked,
+    )
+    loaded = load_engine(config)
+    try:
+        assert loaded.runner.quantization == used
+    finally:
+        loaded.close()

@@ -47,6 +47,7 @@ def seq2seq_engine(model_dir: Path, **options: object) -> Engine:
         block_size=settings["block_size"],
         num_blocks=settings["num_blocks"],
         linear_layout=settings.get("linear_layout", "auto"),
+        quantization=settings.get("quantization", "none"),
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = Engine(
@@ -188,6 +189,33 @@ def test_the_cpu_linear_layouts_decode_as_generate(
             model_dir, source, max_new_tokens=10, num_beams=3, num_return_sequences=2
         )
         assert tokens(result) == expected
+
+
+@pytest.mark.parametrize("family", ["marian", "t5"])
+def test_int8_formats_run_the_decoder_and_the_head_in_int8(
+    family_dirs: dict[str, Path], family: str
+) -> None:
+    """int8 (the head, its top candidates re-scored exactly) keeps greedy's tokens; w8a8 also
+    runs the decoder's layers as int8 GEMMs, close enough to keep these sources' first tokens."""
+    from server.model.quantization import Int8DynamicLinear, RescoredInt8Head
+
+    model_dir = family_dirs[family]
+    params = DecodingParams(max_tokens=12, temperature=0)
+    ids = sources(model_dir)
+    outputs = {}
+    for quantization in ("none", "int8", "w8a8"):
+        engine = seq2seq_engine(model_dir, quantization=quantization)
+        runner = engine.runner
+        assert isinstance(runner, Seq2SeqRunner)
+        assert isinstance(runner.lm_head, RescoredInt8Head) == (quantization != "none")
+        layers = [m for m in runner.parts.decoder.modules() if isinstance(m, Int8DynamicLinear)]
+        assert bool(layers) == (quantization == "w8a8")
+        got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
+        run_to_completion(engine)
+        outputs[quantization] = [tokens(g)[0] for g in got]
+        assert engine.pool.num_free == engine.pool.num_blocks
+    assert outputs["int8"] == outputs["none"]
+    assert [o[0] for o in outputs["w8a8"]] == [o[0] for o in outputs["none"]]
 
 
 @pytest.mark.parametrize("family", ["bart", "marian", "t5"])
