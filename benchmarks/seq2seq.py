@@ -3,16 +3,16 @@ against CTranslate2 and transformers' `generate()` in the same run.
 
 For each model shape (random weights: `benchmarks/translation/models.py`), seeded sources of
 10-60 tokens, beam search of width 4, exactly 64 new tokens each (EOS forbidden before: every
-system decodes the same lengths). At each concurrency level c, in turns: a launched `beamline
-serve` with c clients in a closed loop; CTranslate2's `translate_batch` on static batches of c
-sources in each configuration given (compute type and thread split; its best is the baseline of
-the ratio); `generate()` on static batches of c. The server stays up, idle, while the others run.
-Each system runs `--repeats` turns, spread over the level, and keeps its fastest: on a shared host
-a neighbour's load slows whichever system runs at that moment (the JSON lists every turn). Output
-tokens per second of the best hypotheses, the ratios, and how many requests give `generate()`'s
-tokens exactly (beamline runs in float32, its exact mode for these models; CTranslate2's float32
-is shown for reference). Speed is reported, never asserted. JSON under `--out-dir` (rewritten
-after every turn).
+system decodes the same lengths). At each concurrency level c, in turns: launched `beamline
+serve`s with c clients in a closed loop, one in float32 (its exact mode: `generate()`'s tokens) and
+one with its int8 decoder and LM head (`--quantization w8a8`); CTranslate2's `translate_batch` on
+static batches of c sources in each configuration given (compute type and thread split; its best is
+the baseline of the ratios); `generate()` on static batches of c. The servers stay up, idle, while
+the others run. Each system runs `--repeats` turns, spread over the level, and keeps its fastest:
+on a shared host a neighbour's load slows whichever system runs at that moment (the JSON lists
+every turn). Output tokens per second of the best hypotheses, the ratios, and how many requests
+give `generate()`'s tokens exactly. Speed is reported, never asserted. JSON under `--out-dir`
+(rewritten after every turn).
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ from benchmarks.translation.systems import (
 
 MODEL_ROOT = Path.home() / ".cache" / "beamline" / "bench-seq2seq"
 OUT_DIR = Path(__file__).resolve().parent / "results"
-SYSTEMS = ("beamline", "ctranslate2", "generate")
+# beamline's two modes, each a server of its own: float32 (exact: generate()'s tokens) and its
+# int8 decoder and head (w8a8), against CTranslate2's float32 and int8
+BEAMLINE_MODES = {"beamline": [], "beamline-w8a8": ["--quantization", "w8a8"]}
+SYSTEMS = (*BEAMLINE_MODES, "ctranslate2", "generate")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -152,20 +155,21 @@ def measure_shape(args: argparse.Namespace, shape: str, doc: dict, path: Path) -
         write_json(doc, path)
 
     with contextlib.ExitStack() as stack:
-        serving: tuple[str, str] | None = None
-        if "beamline" in args.systems:  # up for the whole shape, idle while the others run
-            log = args.out_dir / f"{args.tag}-{shape}-server.log"
-            extra = ["--dtype", "float32", *args.beamline_args.split()]
+        servers: dict[str, tuple[str, str]] = {}
+        for mode, flags in BEAMLINE_MODES.items():  # up for the whole shape, idle meanwhile
+            if mode not in args.systems:
+                continue
+            log = args.out_dir / f"{args.tag}-{shape}-{mode}-server.log"
+            extra = ["--dtype", "float32", *flags, *args.beamline_args.split()]
             base_url, _ready = stack.enter_context(launched_beamline(str(model_dir), log, extra))
-            serving = base_url, first_model_id(base_url)
-            run_beamline(*serving, sources[:1], decode, 1)  # warm-up
+            servers[mode] = base_url, first_model_id(base_url)
+            run_beamline(*servers[mode], sources[:1], decode, 1)  # warm-up
         for c in args.concurrency:
             part = level_sources(sources, c, args.rounds)
-            turn: list[tuple[str, Callable[[], Run]]] = []
-            if serving is not None:
-                turn.append(
-                    ("beamline", functools.partial(run_beamline, *serving, part, decode, c))
-                )
+            turn: list[tuple[str, Callable[[], Run]]] = [
+                (mode, functools.partial(run_beamline, *served, part, decode, c))
+                for mode, served in servers.items()
+            ]
             if "ctranslate2" in args.systems:
                 turn += [
                     (
@@ -197,12 +201,14 @@ def summarize_level(level: dict, runs: dict[str, Run]) -> None:
     against generate()'s tokens."""
     ct2 = {name: run for name, run in runs.items() if name.startswith("ct2-")}
     best = max(ct2, key=lambda name: ct2[name].tokens_per_s()) if ct2 else None
-    ours, reference = runs.get("beamline"), runs.get("generate")
+    reference = runs.get("generate")
     summary: dict = {"best_ctranslate2": best}
-    if ours and best:
-        summary["beamline_vs_ctranslate2"] = ours.tokens_per_s() / ct2[best].tokens_per_s()
-    if ours and reference:
-        summary["beamline_vs_generate"] = ours.tokens_per_s() / reference.tokens_per_s()
+    for mode in BEAMLINE_MODES:
+        ours, key = runs.get(mode), mode.replace("-", "_")
+        if ours and best:
+            summary[f"{key}_vs_ctranslate2"] = ours.tokens_per_s() / ct2[best].tokens_per_s()
+        if ours and reference:
+            summary[f"{key}_vs_generate"] = ours.tokens_per_s() / reference.tokens_per_s()
     if reference:
         summary["exact_vs_generate"] = {
             name: exact(run, reference) for name, run in runs.items() if name != "generate"
@@ -224,8 +230,8 @@ def table(doc: dict) -> str:
                     f"| {shape} | {level} | {name} | {row['output_tokens_per_s']:.1f} | "
                     f"{row['p50_latency_s']:.2f} | {matches.get(name, '-')} |"
                 )
-            for key in ("beamline_vs_ctranslate2", "beamline_vs_generate"):
-                if key in summary:
+            for key in summary:
+                if key.startswith("beamline"):
                     lines.append(f"| {shape} | {level} | **{key}** | {summary[key]:.2f}x | | |")
     return "\n".join(lines)
 
