@@ -75,10 +75,9 @@ class Seq2SeqRunner(ModelRunner):
         sources = plan.source_lens or [0] * len(plan)
         for row_id in plan.released:
             self._encoded.pop(row_id, None)
-        if plan.encodes:
-            self._write_sources(plan, tables)
-        else:  # the steady state: every row is past its source
+        if not plan.encodes:  # the steady state: every row is past its source
             return self._execute_packed(replace(plan, source_lens=sources), tables)
+        self._write_sources(plan, tables)
         part, kept = decoder_part(plan, sources)
         if not kept:  # every row's tokens were source positions (a chunked source)
             return StepOutput(torch.empty((0, self.vocab_size), device=self.device))
