@@ -247,20 +247,53 @@ async def wait_running(client: httpx.AsyncClient, at_least: int = 1, timeout: fl
         await asyncio.sleep(0.01)
 
 
+class HeldEngine:
+    """The engine's steps held until `release` (each step waits in the runner), and its aborts
+    recorded: so that a request cannot finish before the server has seen its client go, however
+    fast the machine is (the server looks for a hung-up client every 0.25 s)."""
+
+    def __init__(self, engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = threading.Event()
+        self.abort_sent = threading.Event()
+        self.aborted_ids: list[str] = []
+        real_execute, real_abort = engine.runner.execute, engine.abort
+
+        def held_execute(*args: Any, **kwargs: Any) -> Any:
+            assert self.release.wait(timeout=30), "the test never released the engine"
+            return real_execute(*args, **kwargs)
+
+        def recording_abort(request_id: str) -> None:
+            real_abort(request_id)  # in the engine's inbox before the test can release the step
+            if request_id:  # shutdown() wakes the loop with ""
+                self.aborted_ids.append(request_id)
+                self.abort_sent.set()
+
+        monkeypatch.setattr(engine.runner, "execute", held_execute)
+        monkeypatch.setattr(engine, "abort", recording_abort)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("reset", [False, True], ids=["fin", "rst"])
-async def test_a_non_streaming_client_that_hangs_up_is_aborted(server: Server, reset: bool) -> None:
+async def test_a_non_streaming_client_that_hangs_up_is_aborted(
+    server: Server, reset: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         await wait_until_idle(client, timeout=5)
         aborted_before = aborted_total(await metrics_text(client))
-        head, payload = raw_request("/v1/completions", body, server.host)
-        reader, writer = await asyncio.open_connection(server.host, server.port)
-        writer.write(head + payload)
-        await writer.drain()
-        await wait_running(client)
-        await hang_up(writer, reset)
+        held = HeldEngine(server.ctx.engine.engine, monkeypatch)
+        try:
+            head, payload = raw_request("/v1/completions", body, server.host)
+            reader, writer = await asyncio.open_connection(server.host, server.port)
+            writer.write(head + payload)
+            await writer.drain()
+            await wait_running(client)
+            await hang_up(writer, reset)
+            assert await asyncio.to_thread(held.abort_sent.wait, 10), "no abort was sent"
+        finally:
+            held.release.set()
         stats = await wait_until_idle(client, timeout=2.0)
+        assert len(held.aborted_ids) == 1
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         assert aborted_total(await metrics_text(client)) == aborted_before + 1
         assert not await reader.read()  # nothing was ever sent back
@@ -275,28 +308,11 @@ async def test_a_client_timeout_aborts_the_request(
     fast the machine is; the abort then lands at the next step: at most the one token of the held
     step is generated (not LONG), the request is gone and every KV block is back."""
     body = {"prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
-    engine = server.ctx.engine.engine
-    release = threading.Event()
-    aborted_ids: list[str] = []
-    abort_sent = threading.Event()
-    real_execute, real_abort = engine.runner.execute, engine.abort
-
-    def held_execute(*args: Any, **kwargs: Any) -> Any:
-        assert release.wait(timeout=30), "the test never released the engine"
-        return real_execute(*args, **kwargs)
-
-    def recording_abort(request_id: str) -> None:
-        real_abort(request_id)  # in the engine's inbox before the test can release the step
-        if request_id:  # shutdown() wakes the loop with ""
-            aborted_ids.append(request_id)
-            abort_sent.set()
-
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         await wait_until_idle(client, timeout=5)
         aborted_before = aborted_total(await metrics_text(client))
         before = await engine_stats(client)
-        monkeypatch.setattr(engine.runner, "execute", held_execute)
-        monkeypatch.setattr(engine, "abort", recording_abort)
+        held = HeldEngine(server.ctx.engine.engine, monkeypatch)
         try:
             async with httpx.AsyncClient(
                 base_url=server.url, timeout=httpx.Timeout(30, read=0.5)
@@ -304,11 +320,11 @@ async def test_a_client_timeout_aborts_the_request(
                 with pytest.raises(httpx.ReadTimeout):
                     await impatient.post("/v1/completions", json=body)
             # The server sees the connection close and aborts the request (once).
-            assert await asyncio.to_thread(abort_sent.wait, 10), "no abort was sent"
+            assert await asyncio.to_thread(held.abort_sent.wait, 10), "no abort was sent"
         finally:
-            release.set()
+            held.release.set()
         stats = await wait_until_idle(client, timeout=5.0)
-        assert len(aborted_ids) == 1 and aborted_ids[0].startswith("cmpl-")
+        assert len(held.aborted_ids) == 1 and held.aborted_ids[0].startswith("cmpl-")
         assert (
             stats["kv_blocks_free"] == stats["kv_blocks_total"]
         )  # wait_until_idle checked the rest
