@@ -150,7 +150,11 @@ def make_engine(
     max_loras: int = 0,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
+    linear_layout: str = "native",
 ) -> Engine:
+    """`linear_layout` native by default: auto picks the CPU's layouts by timing them at each
+    start, and two engines of one test may then round differently (tests/test_cpu_linear.py
+    covers the layouts themselves)."""
     runner = ModelRunner(
         model_dir,
         device=TEST_DEVICE,
@@ -159,6 +163,7 @@ def make_engine(
         num_blocks=num_blocks,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
+        linear_layout=linear_layout,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return Engine(
