@@ -41,6 +41,9 @@ def test_the_models_put_special_tokens_where_the_converters_read_them(
 
 
 def test_the_benchmark_runs_every_system_and_reports_its_ratios(tmp_path: Path) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
     code = seq2seq.main(
         [
             "--short", "--concurrency", "1,3", "--num-requests", "6", "--rounds", "1",
@@ -49,6 +52,7 @@ def test_the_benchmark_runs_every_system_and_reports_its_ratios(tmp_path: Path) 
         ]
     )  # fmt: skip
     assert code == 0
+    assert torch.get_num_threads() == threads  # generate()'s threads given back to the worker
     doc = json.loads((tmp_path / "t.json").read_text())
     assert doc["complete"] and doc["machine"]["ctranslate2"]
     assert doc["command"] == (

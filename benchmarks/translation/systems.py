@@ -14,13 +14,16 @@ Every system decodes exactly `max_tokens` tokens per request (EOS forbidden befo
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 import httpx
+
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,25 @@ class CT2Setting:
         return f"ct2-{self.compute_type}-{self.inter}x{self.intra}"
 
 
+def keeps_torch_threads(run: Callable[P, Run]) -> Callable[P, Run]:
+    """`run` with this process's torch intra-op threads as they were afterwards: `generate()`
+    sets them, and CTranslate2's translators set OpenMP's, which torch reads (a test runs the
+    systems in its own process)."""
+
+    @functools.wraps(run)
+    def kept(*args: P.args, **kwargs: P.kwargs) -> Run:
+        import torch
+
+        before = torch.get_num_threads()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+
+    return kept
+
+
+@keeps_torch_threads
 def run_ctranslate2(
     model_dir: Path,
     tokenizer: Any,
@@ -149,6 +171,7 @@ def run_ctranslate2(
     return Run(outputs, time.perf_counter() - start, latencies)
 
 
+@keeps_torch_threads
 def run_generate(
     model_dir: Path, sources: Sequence[list[int]], decode: Decode, concurrency: int, threads: int
 ) -> Run:
