@@ -23,7 +23,7 @@ def step():  # three 16 MiB tensors alive at once, as logits, log-probs and cand
 for _ in range(5):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+for _ in range(60):
     step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -39,5 +39,8 @@ def page_faults(mode: str) -> int:
 @pytest.mark.skipif(glibc() is None, reason="the settings are glibc's (Linux)")
 def test_steps_after_the_first_touch_no_new_pages() -> None:
     kept, default = page_faults("keep"), page_faults("default")
-    assert kept < 200  # the pages of the first steps are reused
-    assert default > 20 * 1000  # glibc's defaults hand the blocks back and map them again
+    # glibc's defaults hand the blocks back and map them again at every step (about 800 new
+    # pages a step here, 60 steps); kept, the first steps' pages are reused (a block's 4096
+    # pages come new only when the heap's top moves, once or twice in a run)
+    assert default > 60 * 400
+    assert kept < default / 4
