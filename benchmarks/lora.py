@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.client import CompletionTarget, run_concurrency
-from benchmarks.command import reproducing_command
 from benchmarks.launch import first_model_id, launched_beamline
 from benchmarks.machine import machine_info
 from benchmarks.stats import summarize
 from benchmarks.workload import BenchRequest, synthetic_workload
+from server.docgen.published import reproducing_command
 
 OUT_DIR = Path(__file__).resolve().parent / "results"
 FIXED_ARGS = ["--num-speculative-tokens", "0", "--no-enable-prefix-caching"]

@@ -28,7 +28,6 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from benchmarks.command import reproducing_command
 from benchmarks.launch import first_model_id, launched_beamline
 from benchmarks.machine import machine_info
 from benchmarks.serving.report import write_json
@@ -41,6 +40,7 @@ from benchmarks.translation.systems import (
     run_ctranslate2,
     run_generate,
 )
+from server.docgen.published import reproducing_command
 
 MODEL_ROOT = Path.home() / ".cache" / "beamline" / "bench-seq2seq"
 OUT_DIR = Path(__file__).resolve().parent / "results"

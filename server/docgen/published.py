@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +49,24 @@ def _command(doc: dict[str, Any]) -> str:
     if not isinstance(argv, list) or doc.get("benchmark") not in ("serve", "structured"):
         command = doc.get("command")  # other benchmarks record their own command line
         return f"`{command}`".replace("|", "\\|") if isinstance(command, str) else "-"
+    command = reproducing_command("benchmarks.serve", [str(arg) for arg in argv], _LOCAL_ARGS)
+    return f"`{command}`".replace("|", "\\|")
+
+
+def reproducing_command(module: str, argv: Sequence[str], local_flags: Collection[str]) -> str:
+    """`python -m <module> <argv>` less each of `local_flags` and its value (`--flag value` or
+    `--flag=value`): what reproduces a run, without the flags that only say where it wrote (the
+    benchmarks record this in their JSON; runs that recorded only their argv get it here)."""
     kept: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
-        elif arg in _LOCAL_ARGS:
+        elif arg in local_flags:
             skip = True
-        else:
-            kept.append(str(arg))
-    return f"`python -m benchmarks.serve {shlex.join(kept)}`".replace("|", "\\|")
+        elif arg.split("=", 1)[0] not in local_flags:
+            kept.append(arg)
+    return shlex.join(["python", "-m", module, *kept])
 
 
 def _throughput(doc: dict[str, Any]) -> str:
