@@ -95,6 +95,23 @@ def reference(model_dir: Path, source: list[int], **kwargs: object) -> list[list
     return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
 
 
+def decode_in_one_batch(
+    engine: Engine, ids: list[list[int]], params: DecodingParams
+) -> list[Collected]:
+    """Every source submitted, then the engine stepped until all are done (they share its
+    steps)."""
+    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
+    run_to_completion(engine)
+    return got
+
+
+def assert_each_equals_generate(
+    model_dir: Path, ids: list[list[int]], got: list[Collected], **kwargs: object
+) -> None:
+    for source, result in zip(ids, got):
+        assert tokens(result) == reference(model_dir, source, **kwargs)
+
+
 def sources(model_dir: Path) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return [tokenizer(text).input_ids for text in SOURCES]
@@ -111,8 +128,7 @@ def test_greedy_in_the_batch_equals_generate(family_dirs: dict[str, Path], famil
     params = DecodingParams(max_tokens=12, temperature=0)
     ids = sources(model_dir)
     calls = encoder_calls(engine)
-    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
-    run_to_completion(engine)  # the four requests decode in the same steps
+    got = decode_in_one_batch(engine, ids, params)  # the four requests decode in the same steps
     outputs = [tokens(g) for g in got]
     for source, output in zip(ids, outputs):  # each source's encoding unchanged by padding
         assert output == reference(model_dir, source, max_new_tokens=12)
@@ -153,19 +169,17 @@ def test_beam_search_in_the_batch_equals_generate(
         early_stopping=early_stopping,
     )
     ids = sources(model_dir)[:3]
-    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
-    run_to_completion(engine)
-    for source, result in zip(ids, got):
-        expected = reference(
-            model_dir,
-            source,
-            max_new_tokens=10,
-            num_beams=num_beams,
-            num_return_sequences=n,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-        )
-        assert tokens(result) == expected
+    got = decode_in_one_batch(engine, ids, params)
+    assert_each_equals_generate(
+        model_dir,
+        ids,
+        got,
+        max_new_tokens=10,
+        num_beams=num_beams,
+        num_return_sequences=n,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
     assert engine.stats.max_seqs_in_step == 3 * num_beams
     assert engine.pool.num_free == engine.pool.num_blocks
 
@@ -182,13 +196,10 @@ def test_the_cpu_linear_layouts_decode_as_generate(
     assert engine.runner.linear_layout == layout
     params = DecodingParams(max_tokens=10, temperature=0, num_beams=3, n=2)
     ids = sources(model_dir)[:2]
-    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
-    run_to_completion(engine)
-    for source, result in zip(ids, got):
-        expected = reference(
-            model_dir, source, max_new_tokens=10, num_beams=3, num_return_sequences=2
-        )
-        assert tokens(result) == expected
+    got = decode_in_one_batch(engine, ids, params)
+    assert_each_equals_generate(
+        model_dir, ids, got, max_new_tokens=10, num_beams=3, num_return_sequences=2
+    )
 
 
 @pytest.mark.parametrize("family", ["marian", "t5"])
@@ -210,8 +221,7 @@ def test_int8_formats_run_the_decoder_and_the_head_in_int8(
         assert isinstance(runner.lm_head, RescoredInt8Head) == (quantization != "none")
         layers = [m for m in runner.parts.decoder.modules() if isinstance(m, Int8DynamicLinear)]
         assert bool(layers) == (quantization == "w8a8")
-        got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
-        run_to_completion(engine)
+        got = decode_in_one_batch(engine, ids, params)
         outputs[quantization] = [tokens(g)[0] for g in got]
         assert engine.pool.num_free == engine.pool.num_blocks
     assert outputs["int8"] == outputs["none"]
@@ -228,13 +238,10 @@ def test_penalties_and_ngram_bans_look_at_the_decoder_tokens_as_generate_does(
         max_tokens=12, temperature=0, repetition_penalty=1.5, no_repeat_ngram_size=2
     )
     ids = sources(model_dir)
-    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
-    run_to_completion(engine)
-    for source, result in zip(ids, got):
-        expected = reference(
-            model_dir, source, max_new_tokens=12, repetition_penalty=1.5, no_repeat_ngram_size=2
-        )
-        assert tokens(result) == expected
+    got = decode_in_one_batch(engine, ids, params)
+    assert_each_equals_generate(
+        model_dir, ids, got, max_new_tokens=12, repetition_penalty=1.5, no_repeat_ngram_size=2
+    )
 
 
 @pytest.mark.parametrize(("family", "beams"), [("bart", 1), ("marian", 3)])
@@ -247,18 +254,17 @@ def test_forced_first_and_last_tokens_as_generate_forces_them(
     forced = dict(forced_bos_token_id=42, forced_eos_token_ids=(eos,))
     params = DecodingParams(max_tokens=8, temperature=0, num_beams=beams, **forced)  # type: ignore[arg-type]
     ids = sources(model_dir)
-    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
-    run_to_completion(engine)
-    for source, result in zip(ids, got):
-        expected = reference(
-            model_dir,
-            source,
-            max_new_tokens=8,
-            num_beams=beams,
-            forced_bos_token_id=42,
-            forced_eos_token_id=eos,
-        )
-        assert tokens(result) == expected
+    got = decode_in_one_batch(engine, ids, params)
+    assert_each_equals_generate(
+        model_dir,
+        ids,
+        got,
+        max_new_tokens=8,
+        num_beams=beams,
+        forced_bos_token_id=42,
+        forced_eos_token_id=eos,
+    )
+    for result in got:
         assert all(choice[0] == 42 for choice in tokens(result))
 
 
@@ -332,15 +338,12 @@ def test_preempted_rows_are_encoded_again_and_decode_the_same(
     engine = seq2seq_engine(model_dir, num_blocks=24, prefix_caching=False)
     calls = encoder_calls(engine)
     params = DecodingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    got = [submit_source(engine, str(i), s, params) for i, s in enumerate(ids)]
-    run_to_completion(engine)
+    got = decode_in_one_batch(engine, ids, params)
     assert engine.stats.preemptions > 0
     assert sum(calls) > len(ids)  # a preempted row's source is encoded again
-    for source, result in zip(ids, got):
-        expected = reference(
-            model_dir, source, max_new_tokens=16, min_new_tokens=16, eos_token_id=None
-        )
-        assert tokens(result) == expected
+    assert_each_equals_generate(
+        model_dir, ids, got, max_new_tokens=16, min_new_tokens=16, eos_token_id=None
+    )
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
