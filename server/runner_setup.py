@@ -52,14 +52,14 @@ def build_runner(
     if is_seq2seq(text_config(model_dir)):
         check_seq2seq_options(config)
         # auto: float32, exact (int8's accuracy on these families is not measured yet)
-        int8 = "none" if config.quantization == "auto" else config.quantization
+        int8_format = "none" if config.quantization == "auto" else config.quantization
         log.info(
             "encoder-decoder model: eager steps in %s (quantization %s), gather attention",
             dtype,
-            int8,
+            int8_format,
         )
         return Seq2SeqRunner(
-            model_dir, **pool, linear_layout=config.linear_layout, quantization=int8
+            model_dir, **pool, linear_layout=config.linear_layout, quantization=int8_format
         )
     quantization = resolve_quantization(config.quantization, config.dtype, device)
     compile_decode = resolve_torch_compile(
