@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from decoding.params import EarlyStopping
+from decoding.top_k import largest
 from decoding.transfer import to_device
 
 FinishReason = Literal["stop", "length", "no_legal_token"]
@@ -145,8 +146,8 @@ class BeamGroup:
         return (scores.float() + running.unsqueeze(1)).reshape(-1)
 
     def top_candidates(self, flat: torch.Tensor, vocab_size: int) -> Candidates:
-        values, index = flat.topk(min(self.num_candidates, flat.numel()))
-        return _candidates(values, index, vocab_size)
+        values, index = largest(flat.unsqueeze(0), min(self.num_candidates, flat.numel()))
+        return _candidates(values[0], index[0], vocab_size)
 
     def sample_candidates(
         self, flat: torch.Tensor, vocab_size: int, generator: torch.Generator | None, num_beams: int

@@ -33,6 +33,7 @@ from decoding.beam_scorer import (
     host_pair,
 )
 from decoding.params import DecodingParams
+from decoding.top_k import largest
 from decoding.transfer import to_device
 
 
@@ -141,7 +142,7 @@ def step_beam_searches(
     for (rows, vocab, k), members in buckets.items():
         batch = [cast(BeamSearch, searches[i]) for i in members]
         flat = accumulated([b.group for b in batch], [scores[i] for i in members])
-        values, index = flat.topk(min(k, rows * vocab), dim=-1)
+        values, index = largest(flat, min(k, rows * vocab))
         values_l, index_l = host_pair(values, index)
         for j, (b, i) in enumerate(zip(batch, members)):
             cand = Candidates(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from decoding import DecodingParams
+from decoding import DecodingParams, top_k
 from server.api.encoder_decoder import SourceModel
 from server.engine.engine import Engine
 from server.model.seq2seq.runner import Seq2SeqRunner
@@ -182,6 +182,29 @@ def test_beam_search_in_the_batch_equals_generate(
     )
     assert engine.stats.max_seqs_in_step == 3 * num_beams
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize(("family", "num_beams"), [("marian", 4), ("t5", 8)])
+def test_beam_search_with_the_two_pass_top_k_equals_generate(
+    family_dirs: dict[str, Path], family: str, num_beams: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The beam step's selection over beams x vocabulary in two passes (decoding/top_k.py), which
+    a real vocabulary takes, forced on the tiny one: the same beams as generate()'s."""
+    monkeypatch.setattr(top_k, "MIN_LENGTH", 0)
+    monkeypatch.setattr(top_k, "CANDIDATES", 16)
+    chunks: list[int | None] = []
+    chunk_size = top_k.chunk_size
+    monkeypatch.setattr(
+        top_k, "chunk_size", lambda n, k: chunks.append(chunk_size(n, k)) or chunks[-1]
+    )
+    model_dir = family_dirs[family]
+    params = DecodingParams(max_tokens=10, temperature=0, num_beams=num_beams, n=2)
+    ids = sources(model_dir)[:3]
+    got = decode_in_one_batch(seq2seq_engine(model_dir), ids, params)
+    assert_each_equals_generate(
+        model_dir, ids, got, max_new_tokens=10, num_beams=num_beams, num_return_sequences=2
+    )
+    assert 16 in chunks  # the beam steps took the two passes
 
 
 @pytest.mark.parametrize("family", ["bart", "t5", "mt5"])

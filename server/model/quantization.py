@@ -41,6 +41,7 @@ from typing import cast
 
 import torch
 
+from decoding.top_k import largest
 from server.model.cpu_linear import replace_linears
 from server.model.devices import QUANTIZATIONS
 
@@ -208,7 +209,7 @@ class RescoredInt8Head(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
         logits = self.approximate(flat)
-        top = logits.topk(self.candidates, dim=1, sorted=False).indices
+        top = largest(logits, self.candidates, sorted=False)[1]
         rows = self.weight[top].to(flat.dtype)  # [rows, candidates, hidden]
         # a multiply and a sum, not a bmm: its reduction order, and so a row's logits, would
         # change with the number of rows
