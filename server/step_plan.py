@@ -100,6 +100,10 @@ class StepPlan:
     # encoder-decoder models: each row's source length (its first positions), and the rows
     # whose step covers source positions
     source_lens: list[int] | None = None
+    # with source_lens, each row's request as the plan's first row of it: a request's rows (its
+    # beams, its `n` samples) have the same source, also where their copies of the source's last,
+    # partly filled block are different blocks (empty: each row on its own)
+    source_groups: list[int] = field(default_factory=list)
     encodes: list[SourceEncode] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -197,6 +201,7 @@ def encode_plan(
     data.append(-1 if plan.source_lens is None else len(plan.encodes))
     if plan.source_lens is not None:
         data += plan.source_lens
+        data += (len(plan.source_groups), *plan.source_groups)
         for encode in plan.encodes:
             data += (encode.row, len(encode.source), *encode.source)
     floats = torch.cat(parts) if parts else (torch.empty(0) if plan.installs else None)
@@ -269,6 +274,7 @@ def decode_plan(
     n_encodes = read.one()
     if n_encodes >= 0:
         plan.source_lens = read.take(n)
+        plan.source_groups = read.take(read.one())
         for _ in range(n_encodes):
             row, count = read.take(2)
             plan.encodes.append(SourceEncode(row, read.take(count)))

@@ -15,6 +15,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from decoding import DecodingParams, top_k
 from server.api.encoder_decoder import SourceModel
 from server.engine.engine import Engine
+from server.model.attention import CrossStep
 from server.model.seq2seq.runner import Seq2SeqRunner
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.tiny_seq2seq import FAMILIES, build_tiny_seq2seq
@@ -306,6 +307,33 @@ def test_beams_share_the_source_blocks_and_give_them_all_back(
         assert engine.pool.num_free == engine.pool.num_blocks
     source_blocks = len(source) // 4  # full blocks of the source: written once, never copied
     assert peaks[4] <= peaks[1] + 3 * (peaks[1] - source_blocks)
+
+
+def test_cross_attention_reads_each_request_source_once_after_forks(
+    family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sources that end inside a block: every beam holds its own copy of that block, and still
+    the step's cross-attention gathers each request's source once, its beams' queries side by
+    side (CrossStep), with generate()'s beams."""
+    model_dir = family_dirs["t5"]
+    ids = [s for s in sources(model_dir) if len(s) % 4][:2]
+    assert len(ids) == 2
+    gathered: list[tuple[int, int]] = []  # (sources, queries per source) of each decode step
+    build = CrossStep.build
+
+    def spy(*args: object, **kwargs: object) -> CrossStep:
+        step = build(*args, **kwargs)  # type: ignore[arg-type]
+        gathered.append((step.sources.gather.shape[0], step.per_source))
+        return step
+
+    monkeypatch.setattr(CrossStep, "build", spy)
+    params = DecodingParams(max_tokens=8, temperature=0, num_beams=4, ignore_eos=True)
+    got = decode_in_one_batch(seq2seq_engine(model_dir, prefix_caching=False), ids, params)
+    assert_each_equals_generate(
+        model_dir, ids, got, max_new_tokens=8, min_new_tokens=8, num_beams=4
+    )
+    assert gathered[0] == (2, 1)  # the first step: one row per request, then its 4 beams
+    assert len(gathered) >= 7 and set(gathered[1:]) == {(2, 4)}
 
 
 @pytest.mark.parametrize("family", ["marian", "t5"])

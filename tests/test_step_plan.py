@@ -110,6 +110,7 @@ def test_a_plan_with_every_kind_of_change_round_trips() -> None:
             [True, True],
             [7, 1, 2, 3, 0],
             source_lens=[6, 3],
+            source_groups=[0, 1],  # two requests
             encodes=[SourceEncode(1, [1, 2, 3])],
         ),
         StepPlan([5], [9], [1], [0], [True], [7], source_lens=[6]),  # no source in this step

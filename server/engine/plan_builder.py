@@ -73,6 +73,10 @@ class PlanBuilder:
             plan.lora_slots = [item.seq.lora_slot for item in items]
         if self.sources:
             plan.source_lens = [item.seq.request.source_len for item in items]
+            first_rows: dict[int, int] = {}
+            plan.source_groups = [
+                first_rows.setdefault(id(item.seq.request), r) for r, item in enumerate(items)
+            ]
             plan.encodes = [
                 SourceEncode(r, item.seq.token_ids[:source])
                 for r, (item, source) in enumerate(zip(items, plan.source_lens))

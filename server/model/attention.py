@@ -111,8 +111,8 @@ class DecodeStep:
 @dataclass
 class CrossStep:
     """The cross-attention of a step's one-token rows of encoder-decoder models. Rows whose
-    source is the same blocks (a request's beams and `n` samples, which share them, and identical
-    sources the prefix cache shares) attend over one gather of it: each distinct source is a row
+    source is one (a request's beams and `n` samples, and identical sources whose blocks the
+    prefix cache shares) attend over one gather of it: each distinct source is a row
     of `sources`, and its rows' queries sit side by side, `per_source` slots for each, so that
     attention reads a source's keys once for all of its rows."""
 
@@ -122,15 +122,27 @@ class CrossStep:
 
     @classmethod
     def build(
-        cls, tables: list[list[int]], sources: list[int], block_size: int, device: torch.device
+        cls,
+        tables: list[list[int]],
+        sources: list[int],
+        block_size: int,
+        device: torch.device,
+        groups: list[int] | None = None,
     ) -> CrossStep:
-        """From each row's block table and source length."""
+        """From each row's block table and source length, and its request (`groups`, as
+        StepPlan.source_groups): a source that ends inside a block shares that block with the
+        decoder's first tokens, so each beam forked from its row holds a copy of it, another
+        block with the same source positions; the request tells those rows' source is one."""
         distinct: dict[tuple[int, ...], int] = {}
         firsts: list[int] = []  # the first row of each distinct source
         counts: list[int] = []
         where: list[tuple[int, int]] = []  # (source, rank among its rows) of each row
         for row, (table, source) in enumerate(zip(tables, sources)):
-            key = (source, *table[: -(-source // block_size)])
+            whole = source // block_size
+            if groups is not None and whole * block_size < source:  # a last block copied
+                key = (source, *table[:whole], -1, groups[row])
+            else:
+                key = (source, *table[: -(-source // block_size)])
             index = distinct.setdefault(key, len(firsts))
             if index == len(firsts):
                 firsts.append(row)

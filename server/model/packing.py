@@ -154,12 +154,14 @@ def _gather_context(
     decode_lengths: list[int] = []
     decode_sources: list[int] = []
     prefill: list[SeqSlice] = []
+    decode_rows: list[int] = []
     sources = source_lens or itertools.repeat(0)  # decoder-only rows: no source
-    for table, first, start, n, source in zip(
-        tables, row_starts, plan.starts, plan.num_new, sources
+    for row, (table, first, start, n, source) in enumerate(
+        zip(tables, row_starts, plan.starts, plan.num_new, sources)
     ):
         stop = start + n
         if n == 1:
+            decode_rows.append(row)
             slot_parts.append(slots(table, start, stop, block_size))
             decode_index.append(first)
             decode_tables.append(table)
@@ -179,7 +181,10 @@ def _gather_context(
             decode = DecodeStep.build(
                 decode_tables, decode_lengths, block_size, device, first=decode_sources
             )
-            decode.cross = CrossStep.build(decode_tables, decode_sources, block_size, device)
+            groups = [plan.source_groups[r] for r in decode_rows] if plan.source_groups else None
+            decode.cross = CrossStep.build(
+                decode_tables, decode_sources, block_size, device, groups
+            )
     per_token = None
     if source_lens is not None:
         counts = torch.tensor(plan.num_new)

@@ -124,6 +124,8 @@ def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int
             part.tokens += plan.tokens[first + skip : first + n]
             assert part.source_lens is not None
             part.source_lens.append(source)
+            if plan.source_groups:
+                part.source_groups.append(plan.source_groups[r])
         elif plan.samples[r]:
             raise RuntimeError(f"row {plan.row_ids[r]} samples inside its source")
         first += n
