@@ -158,7 +158,21 @@ async def test_the_engine_process_answers_what_the_engine_thread_answers(
 ) -> None:
     path, body = REQUESTS[name]
     thread, process = [comparable(await post(contexts[mode], path, body)) for mode in ("off", "on")]
-    assert process == thread
+    assert process == within_rounding(thread)
+
+
+def within_rounding(answer: Any) -> Any:
+    """`answer` with each float (a logprob) matched up to float32's rounding: the two engines
+    may batch a step's rows differently (the process schedules ahead, and a loaded host moves
+    its timing), and a float32 GEMM over other rows rounds differently in the last digits; the
+    tokens and texts are compared exactly."""
+    if isinstance(answer, float):
+        return pytest.approx(answer, rel=1e-5, abs=1e-5)
+    if isinstance(answer, dict):
+        return {key: within_rounding(value) for key, value in answer.items()}
+    if isinstance(answer, list | tuple):
+        return type(answer)(within_rounding(value) for value in answer)
+    return answer
 
 
 async def test_concurrent_requests_each_get_their_own_outputs(
