@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import weakref
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from decoding import DecodingParams, top_k
 from server.api.encoder_decoder import SourceModel
 from server.engine.engine import Engine
 from server.model.attention import CrossStep
+from server.model.seq2seq import t5
 from server.model.seq2seq.runner import Seq2SeqRunner
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.tiny_seq2seq import FAMILIES, build_tiny_seq2seq
@@ -334,6 +336,30 @@ def test_cross_attention_reads_each_request_source_once_after_forks(
     )
     assert gathered[0] == (2, 1)  # the first step: one row per request, then its 4 beams
     assert len(gathered) >= 7 and set(gathered[1:]) == {(2, 4)}
+
+
+def test_t5_relative_bias_is_computed_once_a_step(
+    family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5's decoder layers share one relative position bias: a decode step computes it for its
+    first layer and the others reuse it, with generate()'s tokens."""
+    calls: list[int] = []
+    relative_bias = t5.relative_bias
+    monkeypatch.setattr(
+        t5,
+        "relative_bias",
+        lambda attention, distances: calls.append(1) or relative_bias(attention, distances),
+    )
+    model_dir = family_dirs["t5"]
+    engine = seq2seq_engine(model_dir)
+    assert len(cast(Seq2SeqRunner, engine.runner).parts.layers) == 2
+    params = DecodingParams(max_tokens=6, temperature=0, num_beams=2, ignore_eos=True)
+    ids = sources(model_dir)[:2]
+    got = decode_in_one_batch(engine, ids, params)
+    assert_each_equals_generate(
+        model_dir, ids, got, max_new_tokens=6, min_new_tokens=6, num_beams=2
+    )
+    assert len(calls) == 6  # one a step, not one a layer
 
 
 @pytest.mark.parametrize("family", ["marian", "t5"])

@@ -199,8 +199,9 @@ def _attend(
     softcap: float | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, Q, D], k/v [B, Hkv, L, D], boolean mask broadcastable to [B, H, Q, L]; `bias`
-    (T5's relative position bias, [B, H, Q, L]) is added to the scores."""
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], a mask broadcastable to [B, H, Q, L] (boolean, or a
+    float one added to the scores); `bias` (T5's relative position bias, [B, H, Q, L]) is added
+    to the scores."""
     if bias is not None:
         mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
     if softcap is None:
@@ -224,9 +225,11 @@ def _attend_decode(
     softcap: float | None,
     cross: bool = False,
     relative: RelativeBias | None = None,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """q [B, H, D], one query per row, over each row's history in the pools -> [B, H, D];
-    `relative`: the layer's relative position bias (T5)."""
+    `relative`: the layer's relative position bias (T5), kept in `memo` (the step's) as the
+    float mask it becomes: T5's layers share one, which the step's distances fix."""
     if cross:
         if step.cross is None:
             raise RuntimeError("a cross-attention layer in a step without sources")
@@ -236,11 +239,15 @@ def _attend_decode(
         k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
     )  # [B, Hkv, L, D]
     v = v_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
-    bias = None
-    if relative is not None:  # [B, L, H] -> [B, H, 1, L]
-        bias = relative(step.positions - (step.lengths - 1)).permute(0, 2, 1).unsqueeze(2)
     mask = step.mask(window)
-    return _attend(q.unsqueeze(2), k, v, mask, scaling, softcap, bias).squeeze(2)
+    if relative is not None:  # [B, L, H] -> [B, H, 1, L], -inf where a row sees no key
+        memo = {} if memo is None else memo
+        key = ("relative", id(relative), window, q.dtype)
+        if key not in memo:
+            bias = relative(step.positions - (step.lengths - 1)).permute(0, 2, 1).unsqueeze(2)
+            memo[key] = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        mask = memo[key]
+    return _attend(q.unsqueeze(2), k, v, mask, scaling, softcap).squeeze(2)
 
 
 def _attend_sources(
@@ -320,13 +327,9 @@ def make_paged_attention(cache: PagedKVCache, kernel: PagedKernel | None = None)
         out = torch.empty_like(q)
         if ctx.decode is not None and ctx.decode_index is not None:
             qd = q.index_select(0, ctx.decode_index)
-            out.index_copy_(
-                0,
-                ctx.decode_index,
-                _attend_decode(
-                    qd, k_pool, v_pool, ctx.decode, sliding_window, scale, softcap, cross, relative
-                ),
-            )
+            rest = (sliding_window, scale, softcap, cross, relative, ctx._cache)
+            attended = _attend_decode(qd, k_pool, v_pool, ctx.decode, *rest)
+            out.index_copy_(0, ctx.decode_index, attended)
         for s in ctx.prefill:
             qp = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             kp = k_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
