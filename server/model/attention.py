@@ -138,11 +138,11 @@ class CrossStep:
         counts: list[int] = []
         where: list[tuple[int, int]] = []  # (source, rank among its rows) of each row
         for row, (table, source) in enumerate(zip(tables, sources)):
-            whole = source // block_size
-            if groups is not None and whole * block_size < source:  # a last block copied
+            whole, tail = divmod(source, block_size)
+            if tail and groups is not None:  # the last block: a copy in each forked row
                 key = (source, *table[:whole], -1, groups[row])
             else:
-                key = (source, *table[: -(-source // block_size)])
+                key = (source, *table[: whole + (tail > 0)])
             index = distinct.setdefault(key, len(firsts))
             if index == len(firsts):
                 firsts.append(row)
