@@ -1,11 +1,12 @@
 """`python -m benchmarks.seq2seq`: translation-shaped work on encoder-decoder models, beamline
 against CTranslate2 and transformers' `generate()` in the same run.
 
-For each model shape (random weights: `benchmarks/translation/models.py`), seeded sources of
-10-60 tokens, beam search of width 4, exactly 64 new tokens each (EOS forbidden before: every
-system decodes the same lengths). At each concurrency level c, in turns: launched `beamline
-serve`s with c clients in a closed loop, one in float32 (its exact mode: `generate()`'s tokens) and
-one with its int8 decoder and LM head (`--quantization w8a8`); CTranslate2's `translate_batch` on
+For each model shape (random weights: `benchmarks/translation/models.py`), seeded sources of 10-60
+tokens, beam search of width 4, exactly 64 new tokens each (EOS forbidden before: every system
+decodes the same lengths). At each concurrency level c, in turns: launched `beamline serve`s with c
+clients in a closed loop, one in float32 (its exact mode: `generate()`'s tokens) and one with its
+int8 decoder and LM head (`--quantization w8a8`), each also as copies of one engine per core
+(`--data-parallel-size 2`, as CTranslate2's inter_threads); CTranslate2's `translate_batch` on
 static batches of c sources in each configuration given (compute type and thread split; its best is
 the baseline of the ratios); `generate()` on static batches of c. The servers stay up, idle, while
 the others run. Each system runs `--repeats` turns, spread over the level, and keeps its fastest:
@@ -66,6 +67,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--beamline-args", default="", help="extra `beamline serve` flags")
+    p.add_argument(
+        "--data-parallel",
+        default=None,
+        help="beamline's data_parallel_size values, comma-separated: each mode runs at each "
+        "(above 1 as `beamline-dp2` etc.; default 1,2; 1 with --short)",
+    )
     p.add_argument("--threads", type=int, default=2, help="generate()'s torch threads")
     p.add_argument(
         "--repeats",
@@ -90,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     default_ct2 = "float32:1x2" if short else "float32:1x2,int8:1x2,float32:2x1,int8:2x1"
     args.ct2 = [parse_ct2(s) for s in (args.ct2 or default_ct2).split(",")]
     args.systems = args.systems.split(",")
+    args.data_parallel = [
+        int(d) for d in (args.data_parallel or ("1" if short else "1,2")).split(",")
+    ]
     unknown = set(args.systems) - set(SYSTEMS) or set(args.shapes) - set(SHAPES)
     if unknown:
         p.error(f"unknown: {', '.join(sorted(unknown))}")
@@ -156,9 +166,7 @@ def measure_shape(args: argparse.Namespace, shape: str, doc: dict, path: Path) -
 
     with contextlib.ExitStack() as stack:
         servers: dict[str, tuple[str, str]] = {}
-        for mode, flags in BEAMLINE_MODES.items():  # up for the whole shape, idle meanwhile
-            if mode not in args.systems:
-                continue
+        for mode, flags in beamline_modes(args).items():  # up for the shape, idle meanwhile
             log = args.out_dir / f"{args.tag}-{shape}-{mode}-server.log"
             extra = ["--dtype", "float32", *flags, *args.beamline_args.split()]
             base_url, _ready = stack.enter_context(launched_beamline(str(model_dir), log, extra))
@@ -192,18 +200,31 @@ def measure_shape(args: argparse.Namespace, shape: str, doc: dict, path: Path) -
                 for system, run in turn:
                     keep(c, system, run())
     for c in args.concurrency:
-        summarize_level(levels[f"c={c}"], {s: r for (lv, s), r in best.items() if lv == c})
+        runs = {s: r for (lv, s), r in best.items() if lv == c}
+        summarize_level(levels[f"c={c}"], runs, list(beamline_modes(args)))
     write_json(doc, path)
 
 
-def summarize_level(level: dict, runs: dict[str, Run]) -> None:
+def beamline_modes(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The beamline servers to launch: each mode asked for in `--systems`, at each data-parallel
+    size (named `<mode>-dp<size>` above 1)."""
+    modes = {}
+    for size in args.data_parallel:
+        for mode, flags in BEAMLINE_MODES.items():
+            if mode in args.systems:
+                name = mode if size == 1 else f"{mode}-dp{size}"
+                modes[name] = [*flags, "--data-parallel-size", str(size)] if size > 1 else flags
+    return modes
+
+
+def summarize_level(level: dict, runs: dict[str, Run], modes: list[str]) -> None:
     """Ratios of beamline to the best CTranslate2 setting and to generate(), and exact matches
     against generate()'s tokens."""
     ct2 = {name: run for name, run in runs.items() if name.startswith("ct2-")}
     best = max(ct2, key=lambda name: ct2[name].tokens_per_s()) if ct2 else None
     reference = runs.get("generate")
     summary: dict = {"best_ctranslate2": best}
-    for mode in BEAMLINE_MODES:
+    for mode in modes:
         ours, key = runs.get(mode), mode.replace("-", "_")
         if ours and best:
             summary[f"{key}_vs_ctranslate2"] = ours.tokens_per_s() / ct2[best].tokens_per_s()
@@ -259,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "ctranslate2": [s.label for s in args.ct2],
             "beamline_args": args.beamline_args,
+            "data_parallel": args.data_parallel,
             "repeats": args.repeats,
         },
         "results": {},

@@ -26,16 +26,20 @@ from server.model.architecture import check_servable
 from server.model.devices import pick_device
 from server.model.loader import loading_plan, locate_model, resolve_model_dir, served_model_name
 from server.process.client import EngineProcessClient
+from server.process.replicas import ReplicatedEngine
 
 log = logging.getLogger(__name__)
 
 
-def runs_engine_process(setting: str, device_type: str, tensor_parallel_size: int = 1) -> bool:
+def runs_engine_process(
+    setting: str, device_type: str, tensor_parallel_size: int = 1, data_parallel_size: int = 1
+) -> bool:
     """`engine_process` auto: on CUDA, where a step takes milliseconds and the front end's share of
     the GIL is most of a step; off on the CPU, where the second process competes with the model's
     compute threads for the same cores (docs/performance has the measurement). Always on under
-    tensor parallelism: the engine process starts and supervises the other ranks."""
-    if tensor_parallel_size > 1:
+    tensor parallelism (the engine process starts and supervises the other ranks) and data
+    parallelism (each copy of the model is an engine process)."""
+    if tensor_parallel_size > 1 or data_parallel_size > 1:
         return True
     return setting == "on" or (setting == "auto" and device_type == "cuda")
 
@@ -107,10 +111,20 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
     metrics = Metrics(name)
     started = time.monotonic()
     engine: EngineClient
-    if runs_engine_process(config.engine_process, device.type, config.tensor_parallel_size):
+    parallel = (config.tensor_parallel_size, config.data_parallel_size)
+    if runs_engine_process(config.engine_process, device.type, *parallel):
         model_dir = resolve_model_dir(config.model, config.cache_dir)  # converts a GGUF once
         check_tensor_parallel(config, model_dir)  # before a process is started for nothing
-        process = EngineProcessClient(config, metrics)
+        process: EngineProcessClient | ReplicatedEngine
+        if config.data_parallel_size > 1:
+            if device.type != "cpu":
+                raise ValueError(
+                    "data_parallel_size > 1 runs on the CPU only: on GPUs, run a server per "
+                    "device behind a load balancer, or use tensor_parallel_size"
+                )
+            process = ReplicatedEngine(config, metrics)
+        else:
+            process = EngineProcessClient(config, metrics)
         process.start()
         log.info("engine process %s ready in %.0f s", process.pid, time.monotonic() - started)
         engine, tokenizer, vocab_size = process, load_tokenizer(model_dir), process.ready.vocab_size

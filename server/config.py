@@ -244,6 +244,11 @@ class ServerConfig(LoRASettings, ParallelSettings):
                 "tensor_parallel_size > 1 runs the engine in a process of its own (it starts "
                 "and supervises the other ranks): engine_process cannot be off"
             )
+        if self.data_parallel_size > 1 and self.engine_process == "off":
+            raise ValueError(
+                "data_parallel_size > 1 runs each copy of the model in an engine process of its "
+                "own: engine_process cannot be off"
+            )
         return self
 
     @model_validator(mode="after")

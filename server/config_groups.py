@@ -62,6 +62,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "engine_process",
     ),
     "tensor parallelism": ("tensor_parallel_size", "nnodes", "node_rank"),
+    "data parallelism": ("data_parallel_size",),
     "security": (
         "api_keys",
         "api_key_file",

@@ -18,6 +18,18 @@ class ParallelSettings(BaseModel):
         "collectives, CUDA graphs stay off; 1 = one device",
     )
 
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="serve this many copies of the model, each an engine process with its own "
+        "KV pool and an equal share of the cores (torch threads) and of the KV pool settings "
+        "(kv_cache_memory or num_kv_blocks are the server's total); each request runs whole in "
+        "the copy with the fewest rows in flight. For small models on the CPU, where one "
+        "engine's threads scale poorly (CTranslate2's inter_threads); CPU only, not with "
+        "tensor_parallel_size; 1 = one engine",
+    )
+
     nnodes: int = Field(
         1,
         ge=1,
@@ -42,6 +54,11 @@ class ParallelSettings(BaseModel):
             raise ValueError(
                 f"tensor_parallel_size ({self.tensor_parallel_size}) must divide evenly over "
                 f"nnodes ({self.nnodes})"
+            )
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size and tensor_parallel_size cannot both be above 1: copies of a "
+                "model split over ranks are not built; choose one"
             )
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank ({self.node_rank}) must be < nnodes ({self.nnodes})")

@@ -76,7 +76,8 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     device = pick_device(config.device)
     config = with_device_defaults(config, device.type)  # a no-op when `beamline serve` did it
-    set_threads(config, config.ranks_per_node if device.type == "cpu" else 1)
+    on_cpu = config.ranks_per_node * config.data_parallel_size if device.type == "cpu" else 1
+    set_threads(config, on_cpu)
     log.info("torch intra-op threads: %d", torch.get_num_threads())
     workers, group = start_tensor_parallel(config, device)
     device = group.device if group else device

@@ -77,13 +77,15 @@ def _post(by_loop: ByLoop) -> None:
 
 
 class EngineProcessClient:
-    def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig, metrics: Metrics | None = None, name: str = "beamline-engine"
+    ) -> None:
         context = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=run_engine_process,
             args=(config, child_conn),
-            name="beamline-engine",
+            name=name,
             daemon=True,  # never outlives the front end
         )
         self._child_conn = child_conn
@@ -101,8 +103,15 @@ class EngineProcessClient:
 
     def start(self) -> None:
         """Spawn the engine process and wait until it has loaded and warmed up the model."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
         self._process.start()
         self._child_conn.close()  # the child's end lives in the child only: EOF when it dies
+
+    def wait_ready(self) -> None:
+        """Wait until the spawned process has loaded and warmed up the model (or failed to)."""
         try:
             message = self._conn.recv()
         except EOFError:
