@@ -215,11 +215,14 @@ def test_beam_search_with_the_two_pass_top_k_equals_generate(
 def test_the_cpu_linear_layouts_decode_as_generate(
     family_dirs: dict[str, Path], family: str, layout: str
 ) -> None:
-    """The decoder's layers and the LM head in each CPU layout (T5's feed-forward reads the
-    dtype of a weight these layouts keep under another name)."""
+    """The encoder's and the decoder's layers and the LM head in each CPU layout (T5's
+    feed-forward reads the dtype of a weight these layouts keep under another name)."""
     model_dir = family_dirs[family]
     engine = seq2seq_engine(model_dir, linear_layout=layout)
     assert engine.runner.linear_layout == layout
+    model = engine.runner.model
+    for part in (model.get_encoder(), model.get_decoder()):
+        assert not [m for m in part.modules() if type(m) is torch.nn.Linear]
     params = DecodingParams(max_tokens=10, temperature=0, num_beams=3, n=2)
     ids = sources(model_dir)[:2]
     got = decode_in_one_batch(engine, ids, params)
@@ -233,7 +236,8 @@ def test_int8_formats_run_the_decoder_and_the_head_in_int8(
     family_dirs: dict[str, Path], family: str
 ) -> None:
     """int8 (the head, its top candidates re-scored exactly) keeps greedy's tokens; w8a8 also
-    runs the decoder's layers as int8 GEMMs, close enough to keep these sources' first tokens."""
+    runs the decoder's layers as int8 GEMMs, close enough to keep these sources' first tokens.
+    The encoder's layers stay float, in the CPU layout auto takes for them."""
     from server.model.quantization import Int8DynamicLinear, RescoredInt8Head
 
     model_dir = family_dirs[family]
@@ -247,6 +251,10 @@ def test_int8_formats_run_the_decoder_and_the_head_in_int8(
         assert isinstance(runner.lm_head, RescoredInt8Head) == (quantization != "none")
         layers = [m for m in runner.parts.decoder.modules() if isinstance(m, Int8DynamicLinear)]
         assert bool(layers) == (quantization == "w8a8")
+        # the encoder stays float, in a CPU layout of its own choosing (auto) under every format
+        encoder = list(runner.parts.encoder.modules())
+        assert not [m for m in encoder if type(m) is torch.nn.Linear]
+        assert not [m for m in encoder if isinstance(m, Int8DynamicLinear)]
         got = decode_in_one_batch(engine, ids, params)
         outputs[quantization] = [tokens(g)[0] for g in got]
         assert engine.pool.num_free == engine.pool.num_blocks

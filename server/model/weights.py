@@ -88,6 +88,12 @@ def load_serving_weights(
     lm_head, layout = apply_linear_layout(
         decoder, lm_head, linear_layout, device, compiled=compiled
     )
+    if is_seq2seq(config):  # the encoder, float under every int8 format, chooses on its own
+        encoder = model.get_encoder()
+        _, encoder_layout = apply_linear_layout(
+            encoder, torch.nn.Identity(), linear_layout, device, compiled=compiled
+        )
+        log.info("encoder's linear layers: %s layout", encoder_layout)
     log.info("linear layers: %s layout; LM head: %s", layout, lm_head)
     # LoRA adapters wrap the projections in their final form (quantized or not), and the sums
     # over the ranks wrap the adapters' (so an adapter's partial delta is summed too)

@@ -11,13 +11,14 @@ decoder then runs over the step's decoder tokens only, each row's source length 
 which positions are the source (attention.py) and the decoder which position embedding a token
 takes (decoder.py).
 
-Encoder-decoder models run on the gather path, eagerly, in the model's dtype, the decoder's
-linear layers and the LM head in the CPU's layout (cpu_linear.py: on the CPU, oneDNN's prepacked
-weights where they are timed faster, 3x MKL's at a step of 64 beam rows of a Marian-sized model on
-an AMD EPYC host). The CPU's int8 formats (quantization.py) apply to the decoder and the LM head
-when asked for; `auto` leaves these models in float32, their exact mode. No torch.compile, CUDA
-graphs, LoRA or tensor parallelism yet (server/runner_setup.py's `check_seq2seq_options` refuses
-them when asked for; the devices' defaults are off for them).
+Encoder-decoder models run on the gather path, eagerly, in the model's dtype, the encoder's and the
+decoder's linear layers and the LM head in the CPU's layout, the encoder choosing its own under
+`auto` (cpu_linear.py: on the CPU, oneDNN's prepacked weights where they are timed faster, 3x MKL's
+at a step of 64 beam rows of a Marian-sized model on an AMD EPYC host). The CPU's int8 formats
+(quantization.py) apply to the decoder and the LM head when asked for; `auto` leaves these models
+in float32, their exact mode. No torch.compile, CUDA graphs, LoRA or tensor parallelism yet
+(server/runner_setup.py's `check_seq2seq_options` refuses them when asked for; the devices'
+defaults are off for them).
 n-gram speculation works as for any model: its drafts are decoder tokens verified in a packed
 step.
 """

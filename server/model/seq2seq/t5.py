@@ -63,8 +63,9 @@ class T5Parts(Seq2SeqParts):
         bias = functools.partial(relative_bias, first)
         for layer in self.layers:
             layer.layer[0].SelfAttention.beamline_relative_bias = bias
-        for layer in self.layers:  # T5's feed-forward casts its input to `wo.weight`'s dtype
-            wo = layer.layer[-1].DenseReluDense.wo
+        encoder = cast(Any, self.model).get_encoder()
+        for layer in [*self.layers, *encoder.block]:  # T5's feed-forward casts its input to
+            wo = layer.layer[-1].DenseReluDense.wo  # `wo.weight`'s dtype
             if not isinstance(getattr(wo, "weight", None), torch.Tensor):
                 wo.weight = torch.empty(0, dtype=weight_dtype(wo))  # a CPU layout's layer
         self.scale = cast(Any, self.model).model_dim ** -0.5
