@@ -69,12 +69,19 @@ def test_data_parallelism_refuses_what_it_cannot_combine_with(tmp_path: Path) ->
 def test_stats_of_the_copies_add_up() -> None:
     one = {"steps": 3, "busy_seconds": 0.5, "max_seqs_in_step": 4, "peak_kv_blocks_used": 9}
     two = {"steps": 5, "busy_seconds": 0.25, "max_seqs_in_step": 7, "peak_kv_blocks_used": 2}
-    merged = merged_stats([one | {"prefix_caching": True}, two | {"prefix_caching": True}])
+    cache_one = {"prefix_cache_queries": 10, "prefix_cache_hits": 8, "prefix_cache_hit_rate": 0.8}
+    cache_two = {"prefix_cache_queries": 30, "prefix_cache_hits": 2, "prefix_cache_hit_rate": 0.07}
+    merged = merged_stats(
+        [one | cache_one | {"prefix_caching": True}, two | cache_two | {"prefix_caching": True}]
+    )
     assert merged == {
         "steps": 8,
         "busy_seconds": 0.75,
         "max_seqs_in_step": 7,
         "peak_kv_blocks_used": 9,
+        "prefix_cache_queries": 40,
+        "prefix_cache_hits": 10,
+        "prefix_cache_hit_rate": 0.25,  # of the summed counts, not a sum of rates
         "prefix_caching": True,
         "data_parallel_size": 2,
     }

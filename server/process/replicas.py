@@ -41,7 +41,8 @@ def replica_config(config: ServerConfig) -> ServerConfig:
 
 def merged_stats(snapshots: list[dict[str, Number]]) -> dict[str, Number]:
     """The copies' counters as one engine's: sums, the largest of `max_*` and of `peak_*`
-    values, flags as the first copy has them."""
+    values, flags as the first copy has them, the prefix cache's hit rate of the summed
+    counts."""
     merged: dict[str, Number] = {}
     for snapshot in snapshots:
         for key, value in snapshot.items():
@@ -51,6 +52,9 @@ def merged_stats(snapshots: list[dict[str, Number]]) -> dict[str, Number]:
                 merged[key] = max(merged[key], value)
             else:
                 merged[key] = merged[key] + value
+    if "prefix_cache_hit_rate" in merged:
+        hits, queries = merged.get("prefix_cache_hits", 0), merged.get("prefix_cache_queries", 0)
+        merged["prefix_cache_hit_rate"] = hits / max(1, queries)
     merged["data_parallel_size"] = len(snapshots)
     return merged
 
