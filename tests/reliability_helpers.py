@@ -16,6 +16,9 @@ from typing import Any
 
 import httpx
 
+from server.api.app import create_app
+from server.api.serving import ServingContext
+
 # A fixed greedy request whose text must never change while a test throws garbage at the server.
 PROBE: dict[str, Any] = {
     "prompt": "The quick brown fox",
@@ -65,6 +68,20 @@ def assert_openai_error(
     if code is not None:
         assert err["code"] == code, (code, err)
     return err
+
+
+async def assert_engine_dead(client: httpx.AsyncClient) -> None:
+    """A server whose engine is gone: /health and a completion both answer 503 engine_dead."""
+    assert_openai_error(await client.get("/health"), 503, code="engine_dead")
+    refused = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert_openai_error(refused, 503, code="engine_dead")
+
+
+async def post_to(ctx: ServingContext, path: str, body: dict[str, Any]) -> httpx.Response:
+    """POST `body` as JSON to a fresh app over `ctx` (in process, no port)."""
+    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.post(path, json=body, timeout=120)
 
 
 def is_idle(stats: dict[str, Any]) -> bool:

@@ -25,7 +25,7 @@ from server.metrics import Metrics
 from server.model.kv_budget import GiB
 from server.process.replicas import ReplicatedEngine, SummedGauges, merged_stats, replica_config
 from tests.conftest import TEST_DEVICE_NAME
-from tests.reliability_helpers import assert_openai_error, process_gone
+from tests.reliability_helpers import assert_engine_dead, post_to, process_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -164,12 +164,6 @@ def served(llama_dir: Path) -> Iterator[dict[str, ServingContext]]:
         ctx.engine.shutdown()
 
 
-async def post(ctx: ServingContext, path: str, body: dict[str, Any]) -> httpx.Response:
-    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await client.post(path, json=body, timeout=120)
-
-
 BODIES = [
     {"prompt": "The capital of", "max_tokens": 12, "temperature": 0},
     {"prompt": "Once upon", "max_tokens": 10, "n": 2, "num_beams": 3, "temperature": 0},
@@ -191,8 +185,8 @@ async def test_two_copies_answer_what_one_engine_answers(
     assert isinstance(engine, ReplicatedEngine) and len(engine.copies) == 2
     pids = [copy.pid for copy in engine.copies]
     assert len(set(pids)) == 2 and os.getpid() not in pids
-    alone = [choices(await post(one, "/v1/completions", b)) for b in BODIES]
-    together = await asyncio.gather(*(post(two, "/v1/completions", b) for b in BODIES))
+    alone = [choices(await post_to(one, "/v1/completions", b)) for b in BODIES]
+    together = await asyncio.gather(*(post_to(two, "/v1/completions", b) for b in BODIES))
     for expected, response in zip(alone, together, strict=True):
         got = choices(response)
         assert [g[:2] for g in got] == [e[:2] for e in expected]
@@ -227,9 +221,7 @@ async def test_a_dead_copy_makes_the_server_unhealthy(llama_dir: Path) -> None:
             while engine.alive and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert not engine.alive
-            assert_openai_error(await client.get("/health"), 503, code="engine_dead")
-            refused = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-            assert_openai_error(refused, 503, code="engine_dead")
+            await assert_engine_dead(client)
     finally:
         engine.shutdown()
     assert all(process_gone(copy.pid or 0) for copy in engine.copies)

@@ -26,7 +26,12 @@ from server.metrics import Metrics
 from server.process.client import EngineProcessClient, EngineStartupError
 from server.process.metrics_relay import MetricsRelay, replay
 from tests.conftest import TEST_DEVICE_NAME
-from tests.reliability_helpers import assert_openai_error, process_gone, sse_payloads
+from tests.reliability_helpers import (
+    assert_engine_dead,
+    post_to,
+    process_gone,
+    sse_payloads,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,12 +68,6 @@ def contexts(llama_dir: Path) -> Iterator[dict[str, ServingContext]]:
     yield built
     for ctx in built.values():
         ctx.engine.shutdown()
-
-
-async def post(ctx: ServingContext, path: str, body: dict[str, Any]) -> httpx.Response:
-    transport = httpx.ASGITransport(app=create_app(ctx=ctx))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await client.post(path, json=body, timeout=120)
 
 
 def comparable(response: httpx.Response) -> Any:
@@ -157,7 +156,9 @@ async def test_the_engine_process_answers_what_the_engine_thread_answers(
     contexts: dict[str, ServingContext], name: str
 ) -> None:
     path, body = REQUESTS[name]
-    thread, process = [comparable(await post(contexts[mode], path, body)) for mode in ("off", "on")]
+    thread, process = [
+        comparable(await post_to(contexts[mode], path, body)) for mode in ("off", "on")
+    ]
     assert process == within_rounding(thread)
 
 
@@ -183,7 +184,7 @@ async def test_concurrent_requests_each_get_their_own_outputs(
     async def run(mode: str) -> list[Any]:
         bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0} for p in prompts]
         responses = await asyncio.gather(
-            *(post(contexts[mode], "/v1/completions", b) for b in bodies)
+            *(post_to(contexts[mode], "/v1/completions", b) for b in bodies)
         )
         return [comparable(r)["choices"] for r in responses]
 
@@ -235,7 +236,7 @@ async def test_metrics_and_stats_come_from_the_engine_process(
         )
 
     before_ok, before_steps = successes(), ctx.engine.stats()["steps"]
-    response = await post(ctx, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "n": 3})
+    response = await post_to(ctx, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "n": 3})
     assert response.status_code == 200
     # the request's last output carried the metric calls of its step: already replayed here
     assert successes() == before_ok + 1  # one engine request of three rows
@@ -285,9 +286,7 @@ async def test_a_dead_engine_process_fails_open_requests_and_health(llama_dir: P
             assert outputs[-1].request_done and outputs[-1].finish_reason == "error"
             assert "engine process exited" in (outputs[-1].error or "")
             assert not engine.alive
-            assert_openai_error(await client.get("/health"), 503, code="engine_dead")
-            refused = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-            assert_openai_error(refused, 503, code="engine_dead")
+            await assert_engine_dead(client)
     finally:
         engine.shutdown()
     assert process_gone(engine.pid)

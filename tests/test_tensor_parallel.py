@@ -34,12 +34,12 @@ from server.parallel.shard import TPConfigError, check_tp_size
 from server.process.client import EngineProcessClient
 from tests.lora_adapters import make_adapter
 from tests.reliability_helpers import (
-    assert_openai_error,
+    assert_engine_dead,
     follower_pids,
+    post_to,
     process_gone,
     sse_payloads,
 )
-from tests.test_engine_process import post
 
 pytestmark = pytest.mark.timeout(600)
 # fp32 logprobs of a split model against the whole one: the row-parallel sums and the attention
@@ -208,7 +208,7 @@ async def test_two_ranks_answer_what_one_answers(
     pair: dict[int, ServingContext], name: str
 ) -> None:
     whole, split = [
-        comparable(await post(pair[tp], "/v1/completions", REQUESTS[name])) for tp in (1, 2)
+        comparable(await post_to(pair[tp], "/v1/completions", REQUESTS[name])) for tp in (1, 2)
     ]
     assert_same(split, whole)
 
@@ -219,7 +219,8 @@ async def test_adapters_change_the_split_model_as_they_change_the_whole(
     texts = {}
     for model in ("tiny", "alpha", "omega"):
         body = {**REQUESTS["greedy"], "model": model}
-        texts[model] = (await post(pair[2], "/v1/completions", body)).json()["choices"][0]["text"]
+        response = await post_to(pair[2], "/v1/completions", body)
+        texts[model] = response.json()["choices"][0]["text"]
     assert len(set(texts.values())) == 3, texts  # the comparison above is not of one model
 
 
@@ -236,7 +237,7 @@ async def test_a_mixed_batch_that_preempts_matches_row_for_row(
 
     async def run(tp: int) -> list[Any]:
         before = pair[tp].engine.stats()["preemptions"]
-        out = await asyncio.gather(*(post(pair[tp], "/v1/completions", b) for b in bodies))
+        out = await asyncio.gather(*(post_to(pair[tp], "/v1/completions", b) for b in bodies))
         assert pair[tp].engine.stats()["preemptions"] > before  # the pool is too small for all
         return [comparable(r)["choices"] for r in out]
 
@@ -261,7 +262,8 @@ async def test_four_ranks_with_replicated_kv_heads_answer_what_one_answers(
     four_ranks: dict[int, ServingContext], name: str
 ) -> None:
     whole, split = [
-        comparable(await post(four_ranks[tp], "/v1/completions", REQUESTS[name])) for tp in (1, 4)
+        comparable(await post_to(four_ranks[tp], "/v1/completions", REQUESTS[name]))
+        for tp in (1, 4)
     ]
     assert_same(split, whole)
 
@@ -319,9 +321,7 @@ async def test_a_dead_rank_ends_the_engine_fails_its_requests_and_health(
             assert time.monotonic() - started < 60, "the request waited for a dead rank"
             assert outputs[-1].request_done and outputs[-1].finish_reason == "error"
             assert not engine.alive
-            assert_openai_error(await client.get("/health"), 503, code="engine_dead")
-            refused = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-            assert_openai_error(refused, 503, code="engine_dead")
+            await assert_engine_dead(client)
     finally:
         engine.shutdown()
     assert process_gone(engine.pid) and process_gone(follower)

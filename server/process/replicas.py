@@ -64,7 +64,7 @@ class SummedGauges:
     gauges to their sums (KV usage: the share of all the copies' blocks in use)."""
 
     def __init__(self, metrics: Metrics, copies: int) -> None:
-        self._metrics = metrics
+        self.metrics = metrics
         self._lock = threading.Lock()
         self._states = [(0, 0, 0.0)] * copies
         self._blocks = [0] * copies
@@ -78,7 +78,7 @@ class SummedGauges:
             self._states[index] = (running, waiting, usage)
             total = sum(self._blocks)
             used = sum(u * b for (_, _, u), b in zip(self._states, self._blocks, strict=True))
-            self._metrics.set_scheduler_state(
+            self.metrics.set_scheduler_state(
                 running=sum(s[0] for s in self._states),
                 waiting=sum(s[1] for s in self._states),
                 kv_cache_usage=min(used / total, 1.0) if total else 0.0,
@@ -87,7 +87,7 @@ class SummedGauges:
     def cache_config(self, index: int, block_size: int, num_blocks: int, caching: bool) -> None:
         with self._lock:
             self._blocks[index] = num_blocks
-            self._metrics.set_cache_config(
+            self.metrics.set_cache_config(
                 block_size=block_size, num_blocks=sum(self._blocks), prefix_caching=caching
             )
 
@@ -105,7 +105,7 @@ class _CopyMetrics:
         self._gauges.cache_config(self._index, block_size, num_blocks, prefix_caching)
 
     def __getattr__(self, name: str) -> Callable[..., None]:
-        return getattr(self._gauges._metrics, name)  # type: ignore[no-any-return]
+        return getattr(self._gauges.metrics, name)  # type: ignore[no-any-return]
 
 
 class ReplicatedEngine:
