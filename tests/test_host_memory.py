@@ -39,8 +39,8 @@ def page_faults(mode: str) -> int:
 @pytest.mark.skipif(glibc() is None, reason="the settings are glibc's (Linux)")
 def test_steps_after_the_first_touch_no_new_pages() -> None:
     kept, default = page_faults("keep"), page_faults("default")
-    # glibc's defaults hand the blocks back and map them again at every step (about 800 new
-    # pages a step here, 60 steps); kept, the first steps' pages are reused (a block's 4096
-    # pages come new only when the heap's top moves, once or twice in a run)
+    # glibc's defaults hand the blocks back and map them again at every step (600-800 new
+    # pages a step here, 60 steps); kept, the first steps' pages are reused (a 16 MiB block's
+    # 4096 pages come new only when the heap's top moves: one to three times in a run)
     assert default > 60 * 400
-    assert kept < default / 4
+    assert kept <= 4 * 4096 < default

@@ -320,6 +320,11 @@ async def test_a_dead_rank_ends_the_engine_fails_its_requests_and_health(
                     os.kill(follower, signal.SIGKILL)
             assert time.monotonic() - started < 60, "the request waited for a dead rank"
             assert outputs[-1].request_done and outputs[-1].finish_reason == "error"
+            # the engine fails its requests, then says it died and exits: the front end reads
+            # that message right after the requests' last outputs, not before them
+            deadline = time.monotonic() + 30
+            while engine.alive and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             assert not engine.alive
             await assert_engine_dead(client)
     finally:
