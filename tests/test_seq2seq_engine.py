@@ -18,6 +18,7 @@ from server.api.encoder_decoder import SourceModel
 from server.engine.engine import Engine
 from server.model.attention import CrossStep
 from server.model.seq2seq import t5
+from server.model.seq2seq.decoder import UnusedProjection
 from server.model.seq2seq.runner import Seq2SeqRunner
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.tiny_seq2seq import FAMILIES, build_tiny_seq2seq
@@ -223,6 +224,14 @@ def test_the_cpu_linear_layouts_decode_as_generate(
     model = engine.runner.model
     for part in (model.get_encoder(), model.get_decoder()):
         assert not [m for m in part.modules() if type(m) is torch.nn.Linear]
+    # the step projects no stand-in: each cross-attention's key and value layers are set aside
+    # for the sources (in the chosen layout), zeros in their place
+    parts = engine.runner.parts
+    for layer, projections in zip(parts.layers, parts.source_projections, strict=True):
+        attn = parts.cross_attention(layer)
+        names = parts.PROJECTIONS[:2]
+        assert [type(getattr(attn, name)) for name in names] == [UnusedProjection] * 2
+        assert not [p for p in projections if isinstance(p, (UnusedProjection, torch.nn.Linear))]
     params = DecodingParams(max_tokens=10, temperature=0, num_beams=3, n=2)
     ids = sources(model_dir)[:2]
     got = decode_in_one_batch(engine, ids, params)

@@ -7,10 +7,12 @@ transformers' decoder `forward` cannot take per-token positions of packed rows, 
 own parts are called here in its order: token embeddings (and the families' scale), position
 embeddings of the decoder-relative position, the embedding layer norm where the family has one,
 every decoder layer as it is, the final layer norm where there is one. Each layer's
-cross-attention is handed a one-position stand-in for the encoder output (its key and value
-projections then cost next to nothing; an empty one cannot be reshaped into heads) and is marked
-`beamline_cross`, so the attention function reads the source's keys and
-values from the pool instead. The LM head adds the families' `final_logits_bias`.
+cross-attention is handed a one-position stand-in for the encoder output (an empty one cannot be
+reshaped into heads) and is marked `beamline_cross`, so the attention function reads the source's
+keys and values from the pool instead. Its key and value projections are kept aside for
+`write_sources` and replaced in the layer by `UnusedProjection`: what the layer would project
+from the stand-in is never read, and two int8 GEMM calls per layer and step cost about 2% of a
+Marian-sized step. The LM head adds the families' `final_logits_bias`.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ class Seq2SeqParts:
         self.encoder = cast(nn.Module, model.get_encoder())
         self.decoder = cast(nn.Module, model.get_decoder())
         self.layers = self._layers()
-        for layer in self.layers:
-            self.cross_attention(layer).beamline_cross = True  # attention.py reads the pool
+        # each layer's cross-attention key and value projections, used on the source only
+        self.source_projections = [
+            self._set_aside(self.cross_attention(layer)) for layer in self.layers
+        ]
         for module in self.encoder.modules():  # the encoder attends as transformers' SDPA does
             if hasattr(module, "k_proj") or hasattr(module, "k"):
                 setattr(module, "beamline_unpaged", True)  # noqa: B010  (a marker attribute)
@@ -69,10 +73,27 @@ class Seq2SeqParts:
         """A decoder layer's cross-attention module."""
         return layer.encoder_attn
 
-    def project_source(self, attn: Any, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A cross-attention module's keys and values [S, heads, head_dim] of encoder states."""
-        shape = (part.shape[0], -1, attn.head_dim)
-        return attn.k_proj(part).view(shape), attn.v_proj(part).view(shape)
+    # a cross-attention module's key and value projections, and its head size, by name
+    PROJECTIONS = ("k_proj", "v_proj", "head_dim")
+
+    def _set_aside(self, attn: Any) -> tuple[nn.Module, nn.Module]:
+        """Mark a cross-attention to read the pool (attention.py) and swap its key and value
+        projections for `UnusedProjection`s; returns the projections."""
+        attn.beamline_cross = True
+        projections = []
+        for name in self.PROJECTIONS[:2]:
+            layer = getattr(attn, name)
+            projections.append(layer)
+            setattr(attn, name, UnusedProjection(layer.out_features))
+        return projections[0], projections[1]
+
+    def project_source(self, index: int, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s cross-attention keys and values [S, heads, head_dim] of encoder
+        states."""
+        key, value = self.source_projections[index]
+        head_dim = getattr(self.cross_attention(self.layers[index]), self.PROJECTIONS[2])
+        shape = (part.shape[0], -1, head_dim)
+        return key(part).view(shape), value(part).view(shape)
 
     def encode(self, sources: list[list[int]], device: torch.device) -> list[torch.Tensor]:
         """The encoder's output [S, d_model] of each source, in one call: the sources padded on
@@ -103,8 +124,8 @@ class Seq2SeqParts:
         (a source's positions each, in the order of `slots`) into those slots of the pool: one
         projection per layer for the whole step."""
         states = torch.cat(parts) if len(parts) > 1 else parts[0]
-        for index, layer in enumerate(self.layers):
-            key, value = self.project_source(self.cross_attention(layer), states)
+        for index in range(len(self.layers)):
+            key, value = self.project_source(index, states)
             keys, values = kv.keys[index], kv.values[index]
             keys.index_copy_(0, slots, key.to(keys.dtype))
             values.index_copy_(0, slots, value.to(values.dtype))
@@ -161,3 +182,25 @@ class Seq2SeqParts:
         if self.bias is None:
             return logits
         return logits + self.bias.to(logits.dtype).view(-1)[: logits.shape[-1]]
+
+
+class UnusedProjection(nn.Module):
+    """Stands in for a decoder cross-attention's key or value projection in the paged step
+    (module docstring): zeros of the projection's output shape, one kept tensor per shape."""
+
+    def __init__(self, out_features: int) -> None:
+        super().__init__()
+        self.out_features = out_features
+        self._zeros: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (*x.shape[:-1], self.out_features)
+        zeros = self._zeros
+        if (
+            zeros is None
+            or zeros.shape != shape
+            or zeros.dtype != x.dtype
+            or zeros.device != x.device
+        ):
+            zeros = self._zeros = x.new_zeros(shape)
+        return zeros

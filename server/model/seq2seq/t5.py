@@ -77,9 +77,7 @@ class T5Parts(Seq2SeqParts):
     def cross_attention(self, layer: Any) -> Any:
         return layer.layer[1].EncDecAttention
 
-    def project_source(self, attn: Any, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (part.shape[0], -1, attn.key_value_proj_dim)
-        return attn.k(part).view(shape), attn.v(part).view(shape)
+    PROJECTIONS = ("k", "v", "key_value_proj_dim")
 
     def forward(
         self,
