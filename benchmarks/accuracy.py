@@ -6,7 +6,7 @@ Perplexity runs the model over `benchmarks/accuracy_text.txt` in one forward pas
 runs our engine on the bundled prompts with each format and counts, per prompt, how many leading
 tokens equal the fp32 engine's (a format that flips one early token drifts from there on, so the
 "first divergence" is the honest measure), plus the share of prompts whose whole output is equal.
-Writes JSON to --out-dir.
+Writes JSON to --out-dir: each format's figures, the command and the machine.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.machine import machine_info
 from decoding import DecodingParams
+from server.docgen.published import reproducing_command
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest
 from server.model.loader import resolve_model_dir
@@ -33,7 +36,11 @@ FORMATS = {
     "int8": (torch.float32, "int8"),  # int8 LM head, fp32 body
     "bf16-int8": (torch.bfloat16, "int8"),  # int8 LM head, bf16 body
     "int8-weights": (torch.float32, "int8-weights"),  # int8 LM head, weight-only int8 body
-    "w8a8": (torch.float32, "w8a8"),  # int8 LM head, int8 x int8 body (down_proj weight-only)
+    "w8a8": (
+        torch.float32,
+        "w8a8",
+    ),  # int8 LM head, int8 x int8 body (q/k/v, down_proj weight-only)
+    "w8a8-all": (torch.float32, "w8a8-all"),  # int8 LM head, every body layer int8 x int8
 }
 
 
@@ -111,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_dir(args.model)
     prompts = load_prompts(args.prompts)
     text = (HERE / "accuracy_text.txt").read_text()
-    report: dict[str, dict] = {}
+    report: dict[str, object] = {
+        "command": reproducing_command(
+            "benchmarks.accuracy", sys.argv[1:] if argv is None else argv, ("--out-dir",)
+        ),
+        "machine": machine_info(),
+    }
     reference: list[list[int]] | None = None
     for name in args.formats.split(","):
         dtype, quantization = FORMATS[name]

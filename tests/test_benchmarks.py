@@ -660,7 +660,9 @@ def test_accuracy_reports_perplexity_agreement_and_the_int8_rank(
     argv = ["--model", str(llama_dir), "--formats", "fp32,int8,w8a8", "--prompts", "2"]
     assert accuracy.main([*argv, "--tokens", "4", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "accuracy.json").read_text())
-    assert set(report) == {"fp32", "int8", "w8a8"}
+    assert set(report) == {"fp32", "int8", "w8a8", "command", "machine"}
+    assert report["command"].startswith("python -m benchmarks.accuracy --model ")
+    assert "--out-dir" not in report["command"]
     assert "worst_int8_rank_of_top_token" not in report["fp32"]
     # the tiny model's 256-token vocabulary: every rescored candidate is in the int8 top 64
     assert 0 <= report["int8"]["worst_int8_rank_of_top_token"] < RESCORED_CANDIDATES

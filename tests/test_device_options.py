@@ -14,7 +14,7 @@ from server.model.devices import dtype_warning, quantization_problem, resolve_qu
 from server.model.runner import ModelRunner
 
 
-@pytest.mark.parametrize("mode", ["int8", "int8-weights", "w8a8"])
+@pytest.mark.parametrize("mode", ["int8", "int8-weights", "w8a8", "w8a8-all"])
 def test_quantization_on_cuda_is_refused_before_loading(tmp_path: Path, mode: str) -> None:
     """The check comes first: an empty directory (no model at all) still gets this message."""
     with pytest.raises(ValueError, match=f"quantization {mode} runs on the CPU only"):

@@ -9,6 +9,8 @@ from torch import nn
 
 from server.model.quantization import (
     RESCORED_CANDIDATES,
+    WEIGHT_ONLY,
+    WEIGHT_ONLY_UNDER_W8A8,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
     RescoredInt8Head,
@@ -96,6 +98,16 @@ def test_w8a8_keeps_down_proj_weight_only_and_quantizes_the_rest() -> None:
     assert (
         type(model["odd"].down_proj) is nn.Linear
     )  # K = 24: the weight-only kernel can't, float stays
+
+
+def test_w8a8_all_runs_every_layer_as_an_integer_gemm() -> None:
+    """`w8a8-all` (CTranslate2's int8): the layers w8a8 keeps weight-only are integer GEMMs too,
+    a K the weight-only kernel cannot take included."""
+    model = nn.ModuleDict({"q_proj": nn.Linear(64, 32), "mlp": _MLP(64, 128), "odd": _MLP(64, 24)})
+    assert quantize_decoder_w8a8(model, torch.device("cpu"), WEIGHT_ONLY["w8a8-all"]) == 5
+    layers = [model["q_proj"], model["mlp"].up_proj, model["mlp"].down_proj, model["odd"].down_proj]
+    assert all(isinstance(layer, Int8DynamicLinear) for layer in layers)
+    assert WEIGHT_ONLY["w8a8"] == WEIGHT_ONLY_UNDER_W8A8
 
 
 def test_w8a8_is_cpu_only() -> None:

@@ -245,21 +245,30 @@ def test_int8_formats_run_the_decoder_and_the_head_in_int8(
     family_dirs: dict[str, Path], family: str
 ) -> None:
     """int8 (the head, its top candidates re-scored exactly) keeps greedy's tokens; w8a8 also
-    runs the decoder's layers as int8 GEMMs, close enough to keep these sources' first tokens.
-    The encoder's layers stay float, in the CPU layout auto takes for them."""
-    from server.model.quantization import Int8DynamicLinear, RescoredInt8Head
+    runs the decoder's layers as int8 GEMMs (q/k/v weight-only), w8a8-all every one of them,
+    close enough to keep these sources' first tokens. The encoder's layers stay float, in the
+    CPU layout auto takes for them."""
+    from server.model.quantization import (
+        Int8DynamicLinear,
+        Int8WeightOnlyLinear,
+        RescoredInt8Head,
+    )
 
     model_dir = family_dirs[family]
     params = DecodingParams(max_tokens=12, temperature=0)
     ids = sources(model_dir)
     outputs = {}
-    for quantization in ("none", "int8", "w8a8"):
+    for quantization in ("none", "int8", "w8a8", "w8a8-all"):
         engine = seq2seq_engine(model_dir, quantization=quantization)
         runner = engine.runner
         assert isinstance(runner, Seq2SeqRunner)
         assert isinstance(runner.lm_head, RescoredInt8Head) == (quantization != "none")
-        layers = [m for m in runner.parts.decoder.modules() if isinstance(m, Int8DynamicLinear)]
-        assert bool(layers) == (quantization == "w8a8")
+        decoder = list(runner.parts.decoder.modules())
+        layers = [m for m in decoder if isinstance(m, Int8DynamicLinear)]
+        assert bool(layers) == quantization.startswith("w8a8")
+        kept = [m for m in decoder if isinstance(m, Int8WeightOnlyLinear)]
+        # w8a8 keeps Marian's q_proj / k_proj / v_proj weight-only; T5 names them q, k, v
+        assert bool(kept) == (quantization == "w8a8" and family == "marian")
         # the encoder stays float, in a CPU layout of its own choosing (auto) under every format
         encoder = list(runner.parts.encoder.modules())
         assert not [m for m in encoder if type(m) is torch.nn.Linear]
@@ -268,7 +277,8 @@ def test_int8_formats_run_the_decoder_and_the_head_in_int8(
         outputs[quantization] = [tokens(g)[0] for g in got]
         assert engine.pool.num_free == engine.pool.num_blocks
     assert outputs["int8"] == outputs["none"]
-    assert [o[0] for o in outputs["w8a8"]] == [o[0] for o in outputs["none"]]
+    for quantization in ("w8a8", "w8a8-all"):
+        assert [o[0] for o in outputs[quantization]] == [o[0] for o in outputs["none"]]
 
 
 @pytest.mark.parametrize("family", ["bart", "marian", "t5"])

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)  # "auto": bfloat16 on CUDA, float32 on the CPU
 # see quantization.py; "auto" is resolved at start-up (resolve_quantization)
-Quantization = Literal["auto", "none", "int8", "int8-weights", "w8a8"]
+Quantization = Literal["auto", "none", "int8", "int8-weights", "w8a8", "w8a8-all"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # CPU flags (Linux /proc/cpuinfo names) of native int8 dot products, which w8a8's GEMMs run on
 INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})

@@ -22,6 +22,11 @@ state: with them weight-only, perplexity went from 32.50 to 31.97 against fp32's
 alone gave 32.15, `k_proj` and `v_proj` alone 32.65). The MLP's wide `gate_proj` and `up_proj`,
 most of the decoder's weights, keep the integer GEMM.
 
+`w8a8-all` runs every decoder linear layer as an integer GEMM, those four too: what CTranslate2's
+int8 compute type does. It trades the accuracy above for speed where the weight-only kernel is the
+slower one (it is about twice `_int_mm`'s time at 32 rows of a 512-wide layer); its figures on
+Gemma are in docs/guides/tuning.md.
+
 Every int8 format runs the LM head as `RescoredInt8Head`: int8 x int8 logits for the whole
 vocabulary, then the top `RESCORED_CANDIDATES` of each row computed again exactly from the
 floating-point head weights. Greedy, beam search and top-k (k up to that count) therefore rank
@@ -50,6 +55,8 @@ log = logging.getLogger(__name__)
 # Linear layers whose input has outlier channels that a per-token int8 scale would flatten:
 # under `w8a8` they keep int8 weights with floating-point activations.
 WEIGHT_ONLY_UNDER_W8A8 = frozenset({"q_proj", "k_proj", "v_proj", "down_proj"})
+# the layers each integer-GEMM format keeps weight-only
+WEIGHT_ONLY = {"w8a8": WEIGHT_ONLY_UNDER_W8A8, "w8a8-all": frozenset[str]()}
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,31 +143,33 @@ def quantize_decoder_weights(decoder: torch.nn.Module, device: torch.device) -> 
     return count
 
 
-def quantize_decoder_w8a8(decoder: torch.nn.Module, device: torch.device) -> int:
+def quantize_decoder_w8a8(
+    decoder: torch.nn.Module,
+    device: torch.device,
+    weight_only: frozenset[str] = WEIGHT_ONLY_UNDER_W8A8,
+) -> int:
     """Replace the linear layers under `decoder` by Int8DynamicLinear, except those named in
-    WEIGHT_ONLY_UNDER_W8A8, which become Int8WeightOnlyLinear; returns the count of both."""
+    `weight_only`, which become Int8WeightOnlyLinear; returns the count of both."""
     if device.type != "cpu":
         raise ValueError("w8a8 runs on the CPU only; use --dtype bfloat16 on CUDA")
-    weight_only = replace_linears(
+    kept = replace_linears(
         decoder,
         lambda layer: Int8WeightOnlyLinear(layer.weight, layer.bias),
-        lambda name, layer: name in WEIGHT_ONLY_UNDER_W8A8 and kernel_supports(layer.in_features),
+        lambda name, layer: name in weight_only and kernel_supports(layer.in_features),
     )
     dynamic = replace_linears(
         decoder,
         lambda layer: Int8DynamicLinear(layer.weight, layer.bias),
-        lambda name, _layer: (
-            name not in WEIGHT_ONLY_UNDER_W8A8
-        ),  # an unsupported down_proj stays float
+        lambda name, _layer: name not in weight_only,  # an unsupported down_proj stays float
     )
     log.info(
         "decoder quantized: %d linear layers with int8 weights and int8 per-token activations, "
         "%d weight-only (%s)",
         dynamic,
-        weight_only,
-        ", ".join(sorted(WEIGHT_ONLY_UNDER_W8A8)),
+        kept,
+        ", ".join(sorted(weight_only)) or "none",
     )
-    return dynamic + weight_only
+    return dynamic + kept
 
 
 # How many of each row's int8 logits are computed again exactly. On Gemma 3 270M (262k vocabulary),

@@ -18,6 +18,7 @@ from server.model.devices import dtype_warning
 from server.model.lora.files import target_modules
 from server.model.lora.modules import LoRAModules
 from server.model.quantization import (
+    WEIGHT_ONLY,
     quantize_decoder_w8a8,
     quantize_decoder_weights,
     quantized_lm_head,
@@ -83,8 +84,8 @@ def load_serving_weights(
     lm_head = quantized_lm_head(model.get_output_embeddings(), device, quantization)
     if quantization == "int8-weights":
         quantize_decoder_weights(decoder, device)
-    elif quantization == "w8a8":
-        quantize_decoder_w8a8(decoder, device)
+    elif quantization in WEIGHT_ONLY:
+        quantize_decoder_w8a8(decoder, device, WEIGHT_ONLY[quantization])
     lm_head, layout = apply_linear_layout(
         decoder, lm_head, linear_layout, device, compiled=compiled
     )
