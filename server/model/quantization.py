@@ -41,7 +41,6 @@ CPU only: every kernel here is a CPU kernel.
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import cast
 
 import torch
@@ -49,6 +48,7 @@ import torch
 from decoding.top_k import largest
 from server.model.cpu_linear import replace_linears
 from server.model.devices import QUANTIZATIONS
+from server.model.int8_products import OneDNNRowProduct, quantize_per_channel, row_product
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,6 @@ log = logging.getLogger(__name__)
 WEIGHT_ONLY_UNDER_W8A8 = frozenset({"q_proj", "k_proj", "v_proj", "down_proj"})
 # the layers each integer-GEMM format keeps weight-only
 WEIGHT_ONLY = {"w8a8": WEIGHT_ONLY_UNDER_W8A8, "w8a8-all": frozenset[str]()}
-
-
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 weights [out, in] and their float32 per-output-channel scales."""
-    weight = weight.detach().float()
-    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
 class Int8Linear(torch.nn.Module):
@@ -186,37 +179,22 @@ class RescoredInt8Head(torch.nn.Module):
     """An LM head [vocab, hidden] run as an int8 GEMM, whose top `candidates` logits per row are
     then replaced by the exact floating-point ones.
 
-    The int8 GEMM is PyTorch's dynamic quantized linear (fbgemm: twice as fast here as
-    `torch._int_mm` for this shape), which quantizes its whole input with one scale and zero point.
-    So that a row's logits never depend on its batch-mates, each row is first divided by its own
-    largest magnitude and a fixed row holding +1 and -1 joins the batch: the input's range is then
-    always [-1, 1], and each row is in effect quantized with its own scale. The floating-point
+    The int8 GEMM quantizes each row with its own scale, so a row's logits never depend on its
+    batch-mates (int8_products.py: oneDNN's int8 linear, or fbgemm's where oneDNN's is missing;
+    either is about twice as fast here as `torch._int_mm` for this shape). The floating-point
     weight is the head's own (for a tied head, the embedding table, so keeping it costs nothing).
     Takes and returns float32.
     """
 
     def __init__(self, weight: torch.Tensor, candidates: int = RESCORED_CANDIDATES) -> None:
         super().__init__()
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
         self.weight = weight.detach()  # shared with the model, not a parameter of this module
-        vocab, hidden = weight.shape
-        self.candidates = min(candidates, vocab)
-        plain = torch.nn.Sequential(torch.nn.Linear(hidden, vocab, bias=False))
-        plain[0].weight = torch.nn.Parameter(self.weight.float().clone(), requires_grad=False)
-        with warnings.catch_warnings():  # torch.ao prints a migration notice (to torchao) on use
-            warnings.simplefilter("ignore")
-            self.int8 = quantize_dynamic(plain, {torch.nn.Linear: per_channel_dynamic_qconfig})[0]
-        pin = torch.zeros(1, hidden)
-        pin[0, 0], pin[0, min(1, hidden - 1)] = 1.0, -1.0
-        self.range_row: torch.Tensor
-        self.register_buffer("range_row", pin)
+        self.candidates = min(candidates, weight.shape[0])
+        self.int8 = row_product(self.weight)
 
     def approximate(self, x: torch.Tensor) -> torch.Tensor:
         """int8 logits [rows, vocab] of float32 rows [rows, hidden]."""
-        magnitude = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-        logits = self.int8(torch.cat([x / magnitude, self.range_row]))[:-1]
-        return logits.mul_(magnitude)
+        return cast(torch.Tensor, self.int8(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
@@ -231,7 +209,11 @@ class RescoredInt8Head(torch.nn.Module):
 
     def extra_repr(self) -> str:
         vocab, hidden = self.weight.shape
-        return f"int8 {vocab} x {hidden}, top {self.candidates} rescored in {self.weight.dtype}"
+        kernel = "oneDNN" if isinstance(self.int8, OneDNNRowProduct) else "fbgemm"
+        return (
+            f"int8 {vocab} x {hidden} ({kernel}), top {self.candidates} rescored in "
+            f"{self.weight.dtype}"
+        )
 
     def __repr__(self) -> str:  # one line in the start-up log, not the int8 child's repr too
         return f"{type(self).__name__}({self.extra_repr()})"

@@ -1,0 +1,63 @@
+"""The int8 LM head's row products: close to float32, each row independent of its batch-mates, the
+oneDNN kernel where it runs and fbgemm's otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.model import int8_products
+from server.model.int8_products import (
+    FbgemmRowProduct,
+    OneDNNRowProduct,
+    onednn_int8_works,
+    row_product,
+)
+from server.model.quantization import RescoredInt8Head
+
+
+@pytest.mark.parametrize("kernel", [OneDNNRowProduct, FbgemmRowProduct])
+@torch.inference_mode()
+def test_each_row_is_quantized_alone_and_close_to_float(kernel: type[torch.nn.Module]) -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(3000, 96) * 0.05
+    product = kernel(weight)
+    x = torch.randn(9, 96)
+    x[2] *= 50  # a loud row
+    x[5] *= 1e-3  # a quiet one
+    exact = x @ weight.t()
+    got = product(x)
+    # int8 error relative to each row's own scale: the quiet row keeps its precision
+    error = (got - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)
+    assert float(error.max()) < 0.03
+    alone = torch.cat([product(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(got, alone)  # bit for bit: no row depends on its batch-mates
+
+
+@torch.inference_mode()
+def test_onednn_keeps_eight_bits_where_fbgemm_keeps_seven() -> None:
+    """oneDNN's unsigned 8-bit activations (zero point 128) against fbgemm's reduced range."""
+    torch.manual_seed(2)
+    weight = torch.randn(2000, 128) * 0.05
+    x = torch.randn(16, 128)
+    exact = x @ weight.t()
+    errors = [
+        float((k(weight)(x) - exact).abs().mean()) for k in (OneDNNRowProduct, FbgemmRowProduct)
+    ]
+    assert errors[0] < 0.8 * errors[1]
+
+
+def test_the_head_takes_onednn_where_it_runs_and_fbgemm_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    weight = torch.randn(500, 32)
+    assert onednn_int8_works()  # PyTorch's x86 CPU builds carry oneDNN's int8 linear
+    assert isinstance(row_product(weight), OneDNNRowProduct)
+    assert "(oneDNN)" in repr(RescoredInt8Head(weight))
+    monkeypatch.setattr(int8_products, "onednn_int8_works", lambda: False)
+    assert isinstance(row_product(weight), FbgemmRowProduct)
+    head = RescoredInt8Head(weight)
+    assert "(fbgemm)" in repr(head)
+    x = torch.randn(3, 32)
+    top = (x @ weight.t()).argmax(dim=1)
+    assert torch.equal(head(x).argmax(dim=1), top)
