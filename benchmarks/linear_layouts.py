@@ -3,10 +3,12 @@
 The layouts of `server/model/cpu_linear.py` side by side in one process, on a random fp32 weight
 of the given shape (default: Gemma 3 270M's LM head, 262144 x 640) at several row counts: MKL with
 the weight as loaded (`nn.Linear`), MKL with it transposed, and oneDNN with it prepacked (fp32 and
-bf16); then the int8 LM head of `server/model/quantization.py` (fbgemm's int8 GEMM, each row
-quantized on its own, then each row's top 64 re-scored exactly), its int8 GEMM alone, and the
-same GEMM as `torch._int_mm` (int8 x int8 with per-token scales). Prints the best of `--repeats`
-calls per cell, in milliseconds, and the oneDNN speed-up over the better MKL layout.
+bf16); then the int8 LM head of `server/model/quantization.py` (an int8 GEMM, each row quantized
+on its own, then each row's top 64 re-scored exactly), its int8 GEMM alone in both kernels of
+`server/model/int8_products.py` (oneDNN's int8 linear with 8-bit rows, fbgemm's dynamic linear
+with 7-bit ones), and the same GEMM as `torch._int_mm` (int8 x int8 with per-token scales).
+Prints the best of `--repeats` calls per cell, in milliseconds, and the oneDNN speed-up over the
+better MKL layout.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from server.model.cpu_linear import OneDNNLinear, onednn_available
+from server.model.int8_products import FbgemmRowProduct, OneDNNRowProduct, onednn_int8_works
 from server.model.quantization import Int8DynamicLinear, RescoredInt8Head
 
 
@@ -53,7 +56,9 @@ def time_layouts(
         layouts["oneDNN prepacked bf16"] = lambda x: bf16(x.to(torch.bfloat16))
     head = RescoredInt8Head(linear.weight)
     layouts["int8 head, top 64 re-scored"] = head
-    layouts["int8 head, GEMM only"] = head.approximate
+    if onednn_int8_works():
+        layouts["int8 GEMM, oneDNN"] = OneDNNRowProduct(linear.weight)
+    layouts["int8 GEMM, fbgemm"] = FbgemmRowProduct(linear.weight)
     layouts["torch._int_mm, per-token"] = Int8DynamicLinear(linear.weight, None)
     table: dict[str, list[float]] = {name: [] for name in layouts}
     for count in rows:
