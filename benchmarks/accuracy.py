@@ -36,10 +36,7 @@ FORMATS = {
     "int8": (torch.float32, "int8"),  # int8 LM head, fp32 body
     "bf16-int8": (torch.bfloat16, "int8"),  # int8 LM head, bf16 body
     "int8-weights": (torch.float32, "int8-weights"),  # int8 LM head, weight-only int8 body
-    "w8a8": (
-        torch.float32,
-        "w8a8",
-    ),  # int8 LM head, int8 x int8 body (q/k/v, down_proj weight-only)
+    "w8a8": (torch.float32, "w8a8"),  # int8 head, int8 x int8 body (q/k/v, down_proj not)
     "w8a8-all": (torch.float32, "w8a8-all"),  # int8 LM head, every body layer int8 x int8
 }
 

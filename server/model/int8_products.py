@@ -9,7 +9,8 @@ output channel). Two kernels:
   quantized linears to), unsigned 8-bit activations with zero point 128 (its fast kernels take
   those; signed ones ran a reference kernel, thousands of times slower), dequantized by the kernel.
   On an AMD EPYC (Zen 5) host at one thread it took 0.8x fbgemm's time for Marian's head (58k x
-  512) at 33 rows and 0.67x for Gemma 3's (262k x 640) at 16 rows, level at one row.
+  512) at 32 rows and 0.6x for Gemma 3's (262k x 640) at 16 rows, level at one row
+  (`python -m benchmarks.linear_layouts`).
 - `FbgemmRowProduct`: PyTorch's dynamic quantized linear (fbgemm), where oneDNN's int8 linear is
   missing. It quantizes its whole input with one scale, so a fixed row holding +1 and -1 joins
   the normalized rows and pins the input's range to [-1, 1]; it also drops the activations to

@@ -74,14 +74,15 @@ class Seq2SeqParts:
         return layer.encoder_attn
 
     # a cross-attention module's key and value projections, and its head size, by name
-    PROJECTIONS = ("k_proj", "v_proj", "head_dim")
+    PROJECTIONS = ("k_proj", "v_proj")
+    HEAD_DIM = "head_dim"
 
     def _set_aside(self, attn: Any) -> tuple[nn.Module, nn.Module]:
         """Mark a cross-attention to read the pool (attention.py) and swap its key and value
         projections for `UnusedProjection`s; returns the projections."""
         attn.beamline_cross = True
         projections = []
-        for name in self.PROJECTIONS[:2]:
+        for name in self.PROJECTIONS:
             layer = getattr(attn, name)
             projections.append(layer)
             setattr(attn, name, UnusedProjection(layer.out_features))
@@ -91,7 +92,7 @@ class Seq2SeqParts:
         """Layer `index`'s cross-attention keys and values [S, heads, head_dim] of encoder
         states."""
         key, value = self.source_projections[index]
-        head_dim = getattr(self.cross_attention(self.layers[index]), self.PROJECTIONS[2])
+        head_dim = getattr(self.cross_attention(self.layers[index]), self.HEAD_DIM)
         shape = (part.shape[0], -1, head_dim)
         return key(part).view(shape), value(part).view(shape)
 

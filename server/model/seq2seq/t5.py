@@ -77,7 +77,8 @@ class T5Parts(Seq2SeqParts):
     def cross_attention(self, layer: Any) -> Any:
         return layer.layer[1].EncDecAttention
 
-    PROJECTIONS = ("k", "v", "key_value_proj_dim")
+    PROJECTIONS = ("k", "v")
+    HEAD_DIM = "key_value_proj_dim"
 
     def forward(
         self,
