@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from server.model.attention import DecodeStep, _attend_decode
+from server.model.attention import _attend_decode
+from server.model.step_context import DecodeStep
 
 SHAPES: dict[str, tuple[int, int, int]] = {  # name -> (query heads, kv heads, head_dim)
     "gemma3-270m": (4, 1, 256),

@@ -4,9 +4,9 @@ against CTranslate2 and transformers' `generate()` in the same run.
 For each model shape (random weights: `benchmarks/translation/models.py`), seeded sources of 10-60
 tokens, beam search of width 4, exactly 64 new tokens each (EOS forbidden before: every system
 decodes the same lengths). At each concurrency level c, in turns: launched `beamline serve`s with c
-clients in a closed loop, one in float32 (its exact mode: `generate()`'s tokens), one with its
-int8 decoder and LM head (`--quantization w8a8`) and one with every decoder layer an integer GEMM
-(`--quantization w8a8-all`, as CTranslate2's int8), each also as copies of one engine per core
+clients in a closed loop, one in float32 (its exact mode: `generate()`'s tokens), and two with every
+decoder layer an integer GEMM (`--quantization w8a8-all`, as CTranslate2's int8), one with its
+decode step compiled (`--torch-compile`) and one eager, each also as copies of one engine per core
 (`--data-parallel-size 2`, as CTranslate2's inter_threads); CTranslate2's `translate_batch` on
 static batches of c sources in each configuration given (compute type and thread split; its best is
 the baseline of the ratios); `generate()` on static batches of c. The servers stay up, idle, while
@@ -46,13 +46,13 @@ from server.docgen.published import reproducing_command
 
 MODEL_ROOT = Path.home() / ".cache" / "beamline" / "bench-seq2seq"
 OUT_DIR = Path(__file__).resolve().parent / "results"
-# beamline's modes, each a server of its own: float32 (exact: generate()'s tokens), its int8
-# decoder and head (w8a8), and every decoder layer an integer GEMM (w8a8-all, as CTranslate2's
-# int8), against CTranslate2's float32 and int8
+# beamline's modes, each a server of its own: float32 (exact: generate()'s tokens), and every
+# decoder layer an integer GEMM (w8a8-all, as CTranslate2's int8) with its decode step compiled
+# and eager (the compile's own gain, in the same run), against CTranslate2's float32 and int8
 BEAMLINE_MODES = {
     "beamline": [],
-    "beamline-w8a8": ["--quantization", "w8a8"],
-    "beamline-w8a8-all": ["--quantization", "w8a8-all"],
+    "beamline-w8a8-all": ["--quantization", "w8a8-all", "--torch-compile"],
+    "beamline-w8a8-all-eager": ["--quantization", "w8a8-all"],
 }
 SYSTEMS = (*BEAMLINE_MODES, "ctranslate2", "generate")
 

@@ -84,7 +84,8 @@ class ServerConfig(LoRASettings, ParallelSettings):
         None,
         description="torch.compile the decode step, compiled at a first start (minutes on a small "
         "CPU) and loaded from the cache dir at later starts; empty = on where quantization auto "
-        "chose w8a8 (the CPU default) and a C++ compiler is on PATH, else off",
+        "chose w8a8 (the CPU default) and a C++ compiler is on PATH, else off (and always off "
+        "for an encoder-decoder model unless set)",
     )
     cuda_graphs: bool = Field(
         True,

@@ -49,17 +49,28 @@ def build_runner(
             max_model_len=config.max_model_len,
         ),
     )
+    compile_cache = (config.cache_dir or default_cache_dir()) / "compiled"
     if is_seq2seq(text_config(model_dir)):
         check_seq2seq_options(config)
-        # auto: float32, exact (int8's accuracy on these families is not measured yet)
+        # auto: float32, exact (int8's accuracy on these families is not measured yet); the
+        # decode step compiled only when asked for (it changes the last bits of float32 sums)
         int8_format = "none" if config.quantization == "auto" else config.quantization
+        compiled = bool(config.torch_compile)
         log.info(
-            "encoder-decoder model: eager steps in %s (quantization %s), gather attention",
+            "encoder-decoder model: %s steps in %s (quantization %s), gather attention",
+            "compiled decode" if compiled else "eager",
             dtype,
             int8_format,
         )
+        if compiled:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
         return Seq2SeqRunner(
-            model_dir, **pool, linear_layout=config.linear_layout, quantization=int8_format
+            model_dir,
+            **pool,
+            linear_layout=config.linear_layout,
+            quantization=int8_format,
+            compile_decode=compiled,
+            compile_cache=compile_cache,
         )
     quantization = resolve_quantization(config.quantization, config.dtype, device)
     compile_decode = resolve_torch_compile(
@@ -67,7 +78,6 @@ def build_runner(
     )
     if config.quantization == "auto" and device.type == "cpu" and (tp is None or tp.is_driver):
         log.info("CPU default: %s", cpu_default_summary(quantization, compile_decode, device))
-    compile_cache = (config.cache_dir or default_cache_dir()) / "compiled"
     if compile_decode:  # inductor's kernels too, unless its cache is set elsewhere
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
     return ModelRunner(
@@ -89,7 +99,6 @@ def check_seq2seq_options(config: ServerConfig) -> None:
     """ValueError naming the settings an encoder-decoder model does not run with yet (those
     left at their defaults are simply off for it)."""
     asked = {
-        "torch_compile": bool(config.torch_compile),
         "attention_backend triton": config.attention_backend == "triton",
         "async_scheduling on": config.async_scheduling == "on",
         "LoRA adapters": config.lora_enabled,

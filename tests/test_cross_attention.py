@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from server.model.attention import CrossStep, DecodeStep, _attend_decode
+from server.model.attention import _attend_decode
 from server.model.packing import slots
+from server.model.step_context import CrossStep, DecodeStep
 
 BLOCK = 4
 

@@ -338,7 +338,7 @@ async def test_a_json_schema_constrains_a_t5_output(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "flags, named",
     [
-        ({"torch_compile": True}, "torch_compile"),
+        ({"enable_lora": True}, "LoRA adapters"),
         ({"async_scheduling": "on", "attention_backend": "triton"}, "attention_backend triton"),
     ],
 )
@@ -373,3 +373,33 @@ def test_an_int8_format_is_used_when_named_and_auto_stays_exact(
         assert loaded.runner.quantization == used
     finally:
         loaded.close()
+
+
+@pytest.mark.parametrize(("asked", "compiled"), [(None, False), (True, True), (False, False)])
+def test_the_decode_step_is_compiled_when_asked_for_only(
+    bart_dir: Path, asked: bool | None, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its exact float32 default stays eager (a compiled step changes the last bits of sums);
+    `--torch-compile` compiles it, under the server's compile cache."""
+    import server.runner_setup
+
+    made: list[dict] = []
+
+    class Recorded(server.runner_setup.Seq2SeqRunner):  # type: ignore[misc]
+        def __init__(self, model_dir: Path, **options: object) -> None:
+            made.append(dict(options))
+            options["compile_decode"] = False  # the compile itself: test_seq2seq_compile.py
+            super().__init__(model_dir, **options)
+
+    monkeypatch.setattr(server.runner_setup, "Seq2SeqRunner", Recorded)
+    config = ServerConfig(
+        model=str(bart_dir),
+        device="cpu",
+        num_kv_blocks=64,
+        engine_process="off",
+        torch_compile=asked,
+        cache_dir=str(bart_dir.parent / "cache"),
+    )
+    server.runner_setup.build_runner(config, bart_dir, torch.device("cpu"))
+    assert made[0]["compile_decode"] is compiled
+    assert made[0]["compile_cache"] == bart_dir.parent / "cache" / "compiled"

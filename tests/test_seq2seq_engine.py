@@ -16,10 +16,10 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from decoding import DecodingParams, top_k
 from server.api.encoder_decoder import SourceModel
 from server.engine.engine import Engine
-from server.model.attention import CrossStep
 from server.model.seq2seq import t5
 from server.model.seq2seq.decoder import UnusedProjection
 from server.model.seq2seq.runner import Seq2SeqRunner
+from server.model.step_context import CrossStep
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.tiny_seq2seq import FAMILIES, build_tiny_seq2seq
 
@@ -52,7 +52,10 @@ def seq2seq_engine(model_dir: Path, **options: object) -> Engine:
         num_blocks=settings["num_blocks"],
         linear_layout=settings.get("linear_layout", "auto"),
         quantization=settings.get("quantization", "none"),
+        compile_decode=settings.get("compile_decode", False),
+        compile_cache=settings.get("compile_cache"),
     )
+    runner.warm_up()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = Engine(
         runner,
@@ -508,8 +511,8 @@ def test_logprobs_are_the_models_own(family_dirs: dict[str, Path], family: str) 
 def test_a_decode_step_gathers_each_rows_source_and_decoder_positions_apart() -> None:
     """Self-attention reads a row's decoder positions only, cross-attention its source only:
     each gathered once, as wide as its longest part (not the whole row twice)."""
-    from server.model.attention import DecodeStep
     from server.model.packing import slots
+    from server.model.step_context import DecodeStep
 
     tables, lengths, sources = [[3, 7, 2], [5, 1]], [11, 6], [7, 2]  # blocks of 4 positions
     own = DecodeStep.build(tables, lengths, 4, torch.device("cpu"), first=sources)

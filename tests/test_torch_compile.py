@@ -22,9 +22,9 @@ from decoding import DecodingParams
 from server.config import ServerConfig, load_config
 from server.engine.engine import Engine
 from server.loading import load_engine
-from server.model.attention import DecodeStep
 from server.model.compiled_decode import CompiledDecode, cache_key, model_identity
 from server.model.runner import ModelRunner
+from server.model.step_context import DecodeStep
 from tests.conftest import make_engine
 from tests.engine_driver import generate
 from tests.test_engine_correctness import PROMPTS, hf_greedy

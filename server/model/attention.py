@@ -21,170 +21,17 @@ positions only. Decoder-only rows have no source (`source_lens` None, `source_le
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from decoding.transfer import to_device
 from server.model.kv_cache import PagedKVCache
-from server.model.paged_step import PagedStep, padded_tables
+from server.model.paged_step import PagedStep
+from server.model.step_context import CrossStep, DecodeStep, StepContext
 
 ATTENTION_NAME = "beamline_paged"
-
-
-@dataclass
-class SeqSlice:
-    """Where one sequence's new tokens sit in the packed step and what history they see."""
-
-    start: int  # first packed index of this sequence's tokens
-    num_new: int  # tokens computed this step
-    context_len: int  # tokens in cache after this step (history + new)
-    gather: torch.Tensor  # [context_len] flat slot ids of the whole history, in order
-    source_len: int = 0  # an encoder-decoder row's source positions (at the front)
-
-
-@dataclass
-class DecodeStep:
-    """Rows of one new token each, as one padded batch. Passed alone as a step's context, row b is
-    packed token b; inside a `StepContext`, `decode_index` maps rows to packed tokens.
-
-    An encoder-decoder row's self-attention reads its decoder positions only, so its `gather`
-    starts at the row's source length and `lengths` count from there; its cross-attention reads
-    `cross`, each distinct source once (each part gathered once per step, not the whole row
-    twice)."""
-
-    slot_mapping: torch.Tensor  # [B] flat slot of each new token
-    gather: torch.Tensor  # [B, L] flat slots of each row's history (and the new token), padded
-    lengths: torch.Tensor  # [B, 1] tokens each row attends over
-    positions: torch.Tensor  # [1, L] 0..L-1, to mask padding and out-of-window keys
-    # the pools to attend over, passed in rather than found through the registered attention
-    # function: an ahead-of-time compiled decoder reads them from its inputs (compiled_decode.py)
-    kv: PagedKVCache | None = None
-    cross: CrossStep | None = None  # encoder-decoder rows: their sources
-
-    @classmethod
-    def build(
-        cls,
-        tables: list[list[int]],
-        lengths: list[int],
-        block_size: int,
-        device: torch.device,
-        first: list[int] | None = None,
-    ) -> DecodeStep:
-        """From each row's block table and context length (history + the new token); with
-        `first`, each row's history starts at that position (an encoder-decoder row's source
-        length), and its length counts from there."""
-        lens = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
-        if first is None:
-            width = max(lengths)
-            table = padded_tables(tables, -(-width // block_size)).long()
-            positions = torch.arange(width)
-            gather = table[:, positions // block_size] * block_size + positions % block_size
-        else:
-            offsets = torch.tensor(first, dtype=torch.long).unsqueeze(1)
-            lens = lens - offsets
-            width = max(1, int(lens.max()))
-            end = -(-(max(first) + width) // block_size)
-            table = padded_tables(tables, end).long()
-            positions = torch.arange(width)
-            absolute = (offsets + positions).clamp(max=end * block_size - 1)  # padding: any slot
-            gather = table.gather(1, absolute // block_size) * block_size + absolute % block_size
-        slot_mapping = gather.gather(1, (lens - 1).clamp(min=0)).squeeze(1)
-        return cls(
-            to_device(slot_mapping, device),
-            to_device(gather, device),
-            to_device(lens, device),
-            to_device(positions.unsqueeze(0), device),
-        )
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, 1, L]: the keys each row sees (a few element-wise ops, recomputed per layer)."""
-        visible = self.positions < self.lengths
-        if window is not None:
-            visible &= self.positions > self.lengths - 1 - window
-        return visible[:, None, None, :]
-
-
-@dataclass
-class CrossStep:
-    """The cross-attention of a step's one-token rows of encoder-decoder models. Rows whose
-    source is one (a request's beams and `n` samples, and identical sources whose blocks the
-    prefix cache shares) attend over one gather of it: each distinct source is a row
-    of `sources`, and its rows' queries sit side by side, `per_source` slots for each, so that
-    attention reads a source's keys once for all of its rows."""
-
-    sources: DecodeStep  # [G, L]: each distinct source's positions
-    query_slots: torch.Tensor  # [B] where row b's query sits among the G x per_source slots
-    per_source: int  # query slots per source: the most rows one source has
-
-    @classmethod
-    def build(
-        cls,
-        tables: list[list[int]],
-        sources: list[int],
-        block_size: int,
-        device: torch.device,
-        groups: list[int] | None = None,
-    ) -> CrossStep:
-        """From each row's block table and source length, and its request (`groups`, as
-        StepPlan.source_groups): a source that ends inside a block shares that block with the
-        decoder's first tokens, so each beam forked from its row holds a copy of it, another
-        block with the same source positions; the request tells those rows' source is one."""
-        distinct: dict[tuple[int, ...], int] = {}
-        firsts: list[int] = []  # the first row of each distinct source
-        counts: list[int] = []
-        where: list[tuple[int, int]] = []  # (source, rank among its rows) of each row
-        for row, (table, source) in enumerate(zip(tables, sources)):
-            whole, tail = divmod(source, block_size)
-            if tail and groups is not None:  # the last block: a copy in each forked row
-                key = (source, *table[:whole], -1, groups[row])
-            else:
-                key = (source, *table[: whole + (tail > 0)])
-            index = distinct.setdefault(key, len(firsts))
-            if index == len(firsts):
-                firsts.append(row)
-                counts.append(0)
-            where.append((index, counts[index]))
-            counts[index] += 1
-        width = max(counts)
-        step = DecodeStep.build(
-            [tables[r] for r in firsts], [sources[r] for r in firsts], block_size, device
-        )
-        slots = to_device([index * width + rank for index, rank in where], device, torch.long)
-        return cls(step, slots, width)
-
-
-@dataclass
-class StepContext:
-    """Context of a step with prefill chunks; its one-token rows, if any, form a `DecodeStep`."""
-
-    slot_mapping: torch.Tensor  # [T] flat slot for every packed token
-    decode: DecodeStep | None  # the sequences with one new token, as one padded batch
-    decode_index: torch.Tensor | None  # [B] packed index of each of those tokens
-    prefill: list[SeqSlice]  # sequences with a chunk of several tokens
-    device: torch.device
-    source_lens: torch.Tensor | None = None  # [T] encoder-decoder: each token's row's source
-    _cache: dict = field(default_factory=dict)
-
-    def prefill_mask(self, s: SeqSlice, window: int | None, cross: bool = False) -> torch.Tensor:
-        """[1, 1, num_new, context_len] causal (and windowed) mask for one prefill chunk; `cross`:
-        every query sees the row's source positions (an encoder-decoder row's)."""
-        key = ("prefill", s.start, window, cross)
-        if key not in self._cache:
-            first = s.context_len - s.num_new
-            q_pos = torch.arange(first, s.context_len, device=self.device).unsqueeze(1)
-            k_pos = torch.arange(s.context_len, device=self.device).unsqueeze(0)
-            if cross:
-                mask = (k_pos < s.source_len).expand(s.num_new, -1)
-            else:
-                mask = (k_pos <= q_pos) & (k_pos >= s.source_len)
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            self._cache[key] = mask[None, None]
-        return self._cache[key]
 
 
 RelativeBias = Callable[[torch.Tensor], torch.Tensor]  # key - query distances -> [..., H]
@@ -261,19 +108,14 @@ def _attend_sources(
     """q [B, H, D], one query per row, over its source's keys -> [B, H, D]: the queries of one
     source's rows side by side against one gather of its keys (CrossStep)."""
     step = cross.sources
-    sources, width = step.gather.shape[0], cross.per_source
     shape = (*step.gather.shape, *k_pool.shape[1:])
     k = k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
     v = v_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
-    side_by_side = q.new_zeros((sources * width, *q.shape[1:]))
-    side_by_side.index_copy_(0, cross.query_slots, q)
-    grouped = side_by_side.view(sources, width, *q.shape[1:]).transpose(1, 2)  # [G, H, W, D]
+    with_none = torch.cat([q, q.new_zeros((1, *q.shape[1:]))])  # slot_rows' B: no row
+    side_by_side = with_none.index_select(0, cross.slot_rows.view(-1))
+    grouped = side_by_side.view(*cross.slot_rows.shape, *q.shape[1:]).transpose(1, 2)
     out = _attend(grouped, k, v, step.mask(None), scaling, softcap)  # [G, H, W, D]
-    return (
-        out.transpose(1, 2)
-        .reshape(sources * width, *q.shape[1:])
-        .index_select(0, cross.query_slots)
-    )
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, cross.query_slots)
 
 
 PagedKernel = Callable[..., torch.Tensor]  # triton_attention.paged_attention's signature

@@ -33,11 +33,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from server.model.attention import DecodeStep, StepContext
 from server.model.paged_step import PagedStep
+from server.model.step_context import DecodeStep, StepContext
 
 log = logging.getLogger(__name__)
 ExampleInputs = Callable[[int], tuple[torch.Tensor, torch.Tensor, DecodeStep]]
+# what is compiled: (decoder, input ids [1, T], position ids [1, T], step) -> hidden [T, hidden]
+DecodeForward = Callable[[Any, torch.Tensor, torch.Tensor, DecodeStep], torch.Tensor]
 Source = Literal["loaded", "compiled", "jit"]
 # Rows of the two graphs' example steps; any row count >= 2 runs the second graph.
 GRAPH_ROWS = (1, 2)
@@ -146,15 +148,33 @@ def _misfit(graph: Any, decoder: nn.Module, inputs: tuple[Any, ...]) -> str | No
 
 
 def compiled_decoder(
-    decoder: nn.Module, model_dir: Path, cache: Path | None, **settings: str
+    decoder: Any,
+    model_dir: Path,
+    cache: Path | None,
+    settings: dict[str, str],
+    forward: DecodeForward = decode_forward,
 ) -> CompiledDecode:
     """`decoder`'s compiled decode step, kept in `cache` under a key of the model and the
-    `settings` it was compiled for (device, number formats, layouts)."""
+    `settings` it was compiled for (device, number formats, layouts). `forward`: the function
+    compiled (an encoder-decoder model's step is not its decoder module's forward)."""
     identity = {"model": model_identity(model_dir), **settings}
     if cache is None:
-        return CompiledDecode(decoder, None)
+        return CompiledDecode(decoder, None, forward=forward)
     about = f"model_dir={model_dir.resolve()}\n{key_text(identity)}"
-    return CompiledDecode(decoder, cache / cache_key(identity), about)
+    return CompiledDecode(decoder, cache / cache_key(identity), about, forward)
+
+
+def dynamic_tensors(ctx: DecodeStep) -> list[tuple[torch.Tensor, int]]:
+    """The dimensions of a step's tensors that vary from step to step beyond the row count
+    (the context width; an encoder-decoder step's sources, their width and rows per source):
+    marked dynamic, so that no example size is specialized. A dimension of size one is not:
+    dynamo specializes those, the one-row graph's (CrossStep.build pads the others)."""
+    marked = [(ctx.gather, 1), (ctx.positions, 1)]
+    if ctx.cross is not None:
+        sources = ctx.cross.sources
+        marked += [(sources.gather, 0), (sources.gather, 1), (sources.lengths, 0)]
+        marked += [(sources.positions, 1), (ctx.cross.slot_rows, 0), (ctx.cross.slot_rows, 1)]
+    return [(tensor, dim) for tensor, dim in marked if tensor.shape[dim] > 1]  # 1: one row
 
 
 def _partial(path: Path) -> Path:
@@ -184,8 +204,15 @@ def entry_lock(directory: Path) -> Iterator[None]:
 class CompiledDecode:
     """`decode_forward` of one decoder, compiled: call `prepare` once, then call it per step."""
 
-    def __init__(self, decoder: nn.Module, directory: Path | None, about: str = "") -> None:
+    def __init__(
+        self,
+        decoder: Any,
+        directory: Path | None,
+        about: str = "",
+        forward: DecodeForward = decode_forward,
+    ) -> None:
         self.decoder = decoder
+        self.forward = forward
         self.directory = directory  # None: compile, keep nothing on disk
         self.about = about  # what the entry was compiled for: identity.txt beside the graphs
         self.graphs: list[Any] = []
@@ -226,7 +253,7 @@ class CompiledDecode:
                     bar.update()
         except Exception as error:  # a graph break, an op dynamo cannot trace
             log.warning("decode step not compiled ahead of time (%s): plain torch.compile", error)
-            self.jit = torch.compile(decode_forward, dynamic=True)
+            self.jit = torch.compile(self.forward, dynamic=True)
             self.source = "jit"
             return self.source
         self._use(self.graphs, "compiled")
@@ -244,8 +271,8 @@ class CompiledDecode:
     ) -> torch.Tensor:
         if self.jit is not None:
             # the context width (>= 2) varies every step: never specialize on it
-            torch._dynamo.mark_dynamic(ctx.gather, 1)
-            torch._dynamo.mark_dynamic(ctx.positions, 1)
+            for tensor, dim in dynamic_tensors(ctx):
+                torch._dynamo.mark_dynamic(tensor, dim)
             return self.jit(self.decoder, input_ids, position_ids, ctx)
         if not self.graphs:
             raise RuntimeError("CompiledDecode.prepare was not called")
@@ -257,14 +284,15 @@ class CompiledDecode:
         if self.fallbacks == 1:  # never expected: the cache key covers what the guards check
             why = _misfit(graph, self.decoder, args[1:])
             log.warning("the compiled decode step does not fit this step (%s): runs eagerly", why)
-        return decode_forward(*args)
+        return self.forward(*args)
 
     def _compile(self, inputs: tuple[torch.Tensor, torch.Tensor, DecodeStep]) -> Any:
         input_ids, position_ids, ctx = inputs
-        torch._dynamo.mark_dynamic(ctx.gather, 1)
-        torch._dynamo.mark_dynamic(ctx.positions, 1)
+        marked = dynamic_tensors(ctx)
+        for tensor, dim in marked:
+            torch._dynamo.mark_dynamic(tensor, dim)
         compiler: Any = torch.compile(
-            decode_forward,
+            self.forward,
             fullgraph=True,
             dynamic=True,
             options={"guard_filter_fn": _saveable_guards},
@@ -272,7 +300,7 @@ class CompiledDecode:
         # a dynamic float would restart the analysis, which aot_compile cannot do
         with torch._dynamo.config.patch(specialize_float=True):
             graph = compiler.aot_compile(((self.decoder, input_ids, position_ids, ctx), {}))
-        for tensor in (ctx.gather, ctx.positions):  # the markings would fail the guards
+        for tensor, _ in marked:  # the markings would fail the guards
             for mark in ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices"):
                 if hasattr(tensor, mark):
                     delattr(tensor, mark)

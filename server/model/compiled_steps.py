@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server.model.attention import DecodeStep
 from server.model.compiled_decode import GRAPH_ROWS, CompiledDecode, ExampleInputs, compiled_decoder
 from server.model.lora.modules import LoRAModules
+from server.model.step_context import DecodeStep
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,11 @@ class CompiledSteps:
         **settings: str,
     ) -> None:
         self.lora = lora_modules
-        self.base = compiled_decoder(decoder, model_dir, cache, **settings)
+        self.base = compiled_decoder(decoder, model_dir, cache, settings)
         self.adapters: CompiledDecode | None = None
         if lora_modules is not None:
             self.adapters = compiled_decoder(
-                decoder, model_dir, cache, **settings, step="with adapters"
+                decoder, model_dir, cache, {**settings, "step": "with adapters"}
             )
 
     def warm_up(self, example: ExampleInputs) -> None:

@@ -16,8 +16,8 @@ import torch
 
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from decoding.transfer import to_device
-from server.model.attention import CrossStep, DecodeStep, SeqSlice, StepContext
 from server.model.paged_step import PagedStep
+from server.model.step_context import CrossStep, DecodeStep, SeqSlice, StepContext
 from server.step_plan import PlanScore, StepPlan, TableEdit
 
 
@@ -108,12 +108,12 @@ def pack_step(
     tables: list[list[int]],
     block_size: int,
     device: torch.device,
-    *,
     kernel: bool = False,
-    source_lens: list[int] | None = None,
+    pad_cross: bool = False,
 ) -> PackedStep:
-    """The step's tokens and positions, and the attention context of the chosen path;
-    `source_lens`: each row's source positions (encoder-decoder rows, gather path only)."""
+    """The step's tokens and positions, and the attention context of the chosen path (`kernel`:
+    the paged kernel's; else gather, where encoder-decoder rows have the plan's `source_lens`);
+    `pad_cross`: their cross-attention padded for a compiled step (CrossStep.build)."""
     positions: list[int] = []
     sample_rows: list[int] = []
     row_starts = plan.token_starts()
@@ -127,7 +127,9 @@ def pack_step(
     if kernel:
         ctx = PagedStep.build(tables, plan.starts, plan.num_new, block_size, device)
     else:
-        ctx = _gather_context(plan, tables, row_starts, block_size, device, source_lens)
+        ctx = _gather_context(
+            plan, tables, row_starts, block_size, device, plan.source_lens, pad_cross
+        )
     return PackedStep(
         to_device(plan.tokens, device, torch.long).unsqueeze(0),
         to_device(positions, device, torch.long).unsqueeze(0),
@@ -145,6 +147,7 @@ def _gather_context(
     block_size: int,
     device: torch.device,
     source_lens: list[int] | None = None,
+    pad_cross: bool = False,
 ) -> StepContext:
     """One-token rows as one padded `DecodeStep`, chunks one `SeqSlice` each, over their
     gathered histories."""
@@ -183,7 +186,7 @@ def _gather_context(
             )
             groups = [plan.source_groups[r] for r in decode_rows] if plan.source_groups else None
             decode.cross = CrossStep.build(
-                decode_tables, decode_sources, block_size, device, groups
+                decode_tables, decode_sources, block_size, device, groups, pad_cross
             )
     per_token = None
     if source_lens is not None:

@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decoding.transfer import to_device
-from server.model.attention import ATTENTION_NAME, DecodeStep, StepContext
+from server.model.attention import ATTENTION_NAME
 from server.model.compiled_decode import decode_forward
 from server.model.compiled_steps import CompiledSteps
 from server.model.cuda_graphs import DecodeGraphs
@@ -44,6 +44,7 @@ from server.model.packing import (
 )
 from server.model.paged_step import PagedStep
 from server.model.row_tables import RowTables
+from server.model.step_context import DecodeStep, StepContext
 from server.model.weights import load_serving_weights, text_config
 from server.parallel.group import TPGroup
 from server.parallel.plan_broadcast import StepBroadcast
@@ -173,6 +174,7 @@ class ModelRunner:
         # both are kept under `compile_cache` for the next start (compiled_decode.py). With LoRA
         # slots an adapter step's graphs too, the deltas inside them (compiled_steps.py).
         self.compile_decode = compile_decode
+        self.pad_cross = False  # an encoder-decoder runner's compiled step pads (packing.py)
         self.compiled_decode: CompiledSteps | None = None
         if compile_decode:
             self.compiled_decode = CompiledSteps(
@@ -302,9 +304,7 @@ class ModelRunner:
         """The general path: tokens of every row packed as one sequence (prefill chunks,
         mixed)."""
         kernel = self.attention_backend == "triton"
-        packed = pack_step(
-            plan, tables, self.block_size, self.device, kernel=kernel, source_lens=plan.source_lens
-        )
+        packed = pack_step(plan, tables, self.block_size, self.device, kernel, self.pad_cross)
         put_deferred(packed.input_ids[0], plan, packed.row_starts)
         hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
         scores = {

@@ -23,8 +23,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from server.model.attention import StepContext
 from server.model.kv_cache import PagedKVCache
+from server.model.step_context import DecodeStep, StepContext
 
 # how each family embeds a decoder position p (0 for the decoder's first token)
 LEARNED = "learned"  # BART, mBART: a table offset by 2, called with position ids
@@ -134,18 +134,16 @@ class Seq2SeqParts:
     def forward(
         self,
         input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        ctx: StepContext,
+        relative: torch.Tensor,
+        ctx: StepContext | DecodeStep,
     ) -> torch.Tensor:
         """Hidden states [T, d_model] of a step's packed decoder tokens ([1, T] ids at their
-        absolute row positions; each row's source length is taken off for the embedding)."""
+        decoder-relative positions `relative` [1, T], counted from the decoder's first token)."""
         decoder = cast(Any, self.decoder)
-        source = ctx.source_lens
-        relative = position_ids[0] - (source.view(-1) if source is not None else 0)
         hidden = decoder.embed_tokens(input_ids)
         if self.model_type in SCALED_IN_FORWARD:
             hidden = hidden * decoder.embed_scale
-        hidden = hidden + self._positions(relative).view_as(hidden).to(hidden.dtype)
+        hidden = hidden + self._positions(relative[0]).view_as(hidden).to(hidden.dtype)
         if getattr(decoder, "layernorm_embedding", None) is not None:
             hidden = decoder.layernorm_embedding(hidden)
         for layer in self.layers:
@@ -162,7 +160,11 @@ class Seq2SeqParts:
         return cast(torch.Tensor, hidden[0])
 
     def stand_in(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The one-position encoder output each cross-attention is handed (module docstring)."""
+        """The one-position encoder output each cross-attention is handed (module docstring):
+        kept between eager steps; a compiled step makes its own (a kept one would be state its
+        graph guards on)."""
+        if torch.compiler.is_compiling():
+            return hidden.new_zeros((1, 1, hidden.shape[-1]))
         if self._stand_in is None or self._stand_in.device != hidden.device:
             self._stand_in = hidden.new_zeros((1, 1, hidden.shape[-1]))
         return self._stand_in.to(hidden.dtype)
@@ -196,6 +198,8 @@ class UnusedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (*x.shape[:-1], self.out_features)
+        if torch.compiler.is_compiling():  # inside a graph: never read, nothing to keep
+            return x.new_zeros(shape)
         zeros = self._zeros
         if (
             zeros is None
@@ -205,3 +209,10 @@ class UnusedProjection(nn.Module):
         ):
             zeros = self._zeros = x.new_zeros(shape)
         return zeros
+
+
+def packed_decode(
+    parts: Seq2SeqParts, input_ids: torch.Tensor, relative: torch.Tensor, ctx: DecodeStep
+) -> torch.Tensor:
+    """The decode step the runner compiles (compiled_decode.py): `parts.forward`."""
+    return parts.forward(input_ids, relative, ctx)

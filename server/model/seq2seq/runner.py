@@ -11,13 +11,17 @@ decoder then runs over the step's decoder tokens only, each row's source length 
 which positions are the source (attention.py) and the decoder which position embedding a token
 takes (decoder.py).
 
-Encoder-decoder models run on the gather path, eagerly, in the model's dtype, the encoder's and the
+Encoder-decoder models run on the gather path, in the model's dtype, the encoder's and the
 decoder's linear layers and the LM head in the CPU's layout, the encoder choosing its own under
 `auto` (cpu_linear.py: on the CPU, oneDNN's prepacked weights where they are timed faster, 3x MKL's
 at a step of 64 beam rows of a Marian-sized model on an AMD EPYC host). The CPU's int8 formats
 (quantization.py) apply to the decoder and the LM head when asked for; `auto` leaves these models
-in float32, their exact mode. No torch.compile, CUDA graphs, LoRA or tensor parallelism yet
-(server/runner_setup.py's `check_seq2seq_options` refuses them when asked for; the devices'
+in float32, their exact mode. With `torch_compile` set, a step in which every row adds one token
+past its decoder's first (the steady state) runs the decoder compiled (compiled_decode.py, kept
+in the compile cache like a decoder-only model's); other steps run eagerly. Its cross-attention is
+then padded so that no source dimension is of size one (step_context.CrossStep), and the graphs'
+example steps give each dynamic size its own value. No CUDA graphs, LoRA or tensor parallelism
+yet (server/runner_setup.py's `check_seq2seq_options` refuses them when asked for; the devices'
 defaults are off for them).
 n-gram speculation works as for any model: its drafts are decoder tokens verified in a packed
 step.
@@ -25,6 +29,8 @@ step.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,31 +38,60 @@ from typing import Any
 import torch
 
 from server.model.architecture import source_and_target_positions
-from server.model.attention import DecodeStep, StepContext
+from server.model.compiled_decode import GRAPH_ROWS, CompiledDecode, compiled_decoder
+from server.model.devices import check_runner_options
 from server.model.packing import slots
 from server.model.paged_step import PagedStep
 from server.model.runner import ModelRunner
+from server.model.seq2seq.decoder import packed_decode
 from server.model.seq2seq.t5 import parts_of
+from server.model.step_context import CrossStep, DecodeStep, StepContext
 from server.step_plan import StepOutput, StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class Seq2SeqRunner(ModelRunner):
     encoder_decoder = True
 
     def __init__(self, model_dir: Path, **options: Any) -> None:
-        # the settings it runs with (runner_setup refuses others when asked for)
+        compile_decode = bool(options.pop("compile_decode", False))
+        cache = options.pop("compile_cache", None)
+        # the settings it runs with (runner_setup refuses others when asked for); the base
+        # runner's compiled step is a decoder-only model's: this one builds its own
         options.update(
             compile_decode=False,
             cuda_graphs=False,
             attention_backend="gather",
             max_loras=0,
         )
+        if compile_decode:
+            check_runner_options(
+                compile_decode, options.get("quantization", "none"), options["device"]
+            )
         super().__init__(model_dir, **options)
         self.parts = parts_of(self.model, str(self.config.model_type))
         # a row holds its source, then the decoder's positions (the front end checks each)
         self.max_position_embeddings = sum(source_and_target_positions(self.config))
         # encoder outputs of sources whose positions are written over several steps, by row id
         self._encoded: dict[int, torch.Tensor] = {}
+        self.compiled: CompiledDecode | None = None
+        if compile_decode:
+            self.compiled = compiled_decoder(
+                self.parts,
+                model_dir,
+                cache,
+                {
+                    "step": "encoder-decoder",
+                    "device": self.device.type,
+                    "dtype": str(self.dtype),
+                    "quantization": self.quantization,
+                    "linear_layout": self.linear_layout,
+                    "block_size": str(self.block_size),
+                },
+                forward=packed_decode,
+            )
+        self.pad_cross = compile_decode  # the compiled graphs take no source dimension of one
 
     def _run_decoder(
         self,
@@ -64,9 +99,43 @@ class Seq2SeqRunner(ModelRunner):
         position_ids: torch.Tensor,
         ctx: StepContext | DecodeStep | PagedStep,
     ) -> torch.Tensor:
-        if not isinstance(ctx, StepContext):  # every step is packed (_execute)
+        if not isinstance(ctx, StepContext) or ctx.source_lens is None:  # see _execute
             raise RuntimeError("encoder-decoder steps run packed, on the gather path")
-        return self.parts.forward(input_ids, position_ids, ctx)
+        relative = position_ids - ctx.source_lens.view(1, -1)  # from the decoder's first token
+        step = ctx.decode
+        if self.compiled is not None and not ctx.prefill and step is not None and fits(step):
+            step.kv = self.kv_cache  # every row adds one token: the step is its DecodeStep
+            return self.compiled(input_ids, relative, step)
+        return self.parts.forward(input_ids, relative, ctx)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Load or compile the decode step, then run each of its graphs once."""
+        super().warm_up()
+        if self.compiled is None:
+            return
+        started = time.monotonic()
+        source = self.compiled.prepare(self._example_step)
+        took = time.monotonic() - started
+        log.info("decode step %s in %.1f s (%s)", source, took, self.compiled.directory)
+        for rows in GRAPH_ROWS:
+            self.compiled(*self._example_step(rows))
+
+    def _example_step(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
+        """A decode step on the first blocks (before serving: no row owns them) to compile
+        and warm the graphs: one row, or five on two sources (three rows on one), so that no
+        two of its dynamic sizes are equal (dynamo would take them for one)."""
+        sources = [7] if rows == 1 else [7, 7, 7, 5, 5]
+        decoded = 4  # each row's decoder tokens, the new one included
+        table = list(range(-(-(max(sources) + decoded) // self.block_size)))
+        tables = [table] * len(sources)
+        lengths = [source + decoded for source in sources]
+        step = DecodeStep.build(tables, lengths, self.block_size, self.device, first=sources)
+        step.cross = CrossStep.build(tables, sources, self.block_size, self.device, padded=True)
+        step.kv = self.kv_cache
+        input_ids = torch.zeros((1, len(sources)), dtype=torch.long, device=self.device)
+        relative = torch.full_like(input_ids, decoded - 1)
+        return input_ids, relative, step
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.parts.logits(self.lm_head, hidden.to(self.head_dtype))
@@ -131,3 +200,10 @@ def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int
             raise RuntimeError(f"row {plan.row_ids[r]} samples inside its source")
         first += n
     return part, kept
+
+
+def fits(step: DecodeStep) -> bool:
+    """Whether the compiled graphs take a decode step: every row past its decoder's first token
+    and every source two positions long at least (dynamo specializes a width of one)."""
+    cross = step.cross
+    return step.gather.shape[1] > 1 and cross is not None and cross.sources.gather.shape[1] > 1

@@ -22,8 +22,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from server.model.attention import StepContext
 from server.model.seq2seq.decoder import Seq2SeqParts
+from server.model.step_context import DecodeStep, StepContext
 
 T5_FAMILIES = frozenset({"t5", "mt5"})
 
@@ -83,8 +83,8 @@ class T5Parts(Seq2SeqParts):
     def forward(
         self,
         input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        ctx: StepContext,
+        relative: torch.Tensor,
+        ctx: StepContext | DecodeStep,
     ) -> torch.Tensor:
         decoder = cast(Any, self.decoder)
         hidden = decoder.embed_tokens(input_ids)
