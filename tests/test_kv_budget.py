@@ -297,3 +297,21 @@ def test_other_devices_keep_the_cpu_defaults() -> None:
     base = ServerConfig()
     assert with_device_defaults(base, "cpu") is base
     assert (base.max_num_seqs, base.max_num_batched_tokens) == (64, 512)
+
+
+def test_copied_blocks_take_their_sources_content_as_it_was_before_the_copy() -> None:
+    """Copy-on-write of beam forks: every slot of each destination block in every layer gets
+    its source's, and a block copied from in the same call gives what it held before."""
+    from server.model.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(2, 6, 4, 3, 5, torch.float32, torch.device("cpu"))
+    for pool in (*cache.keys, *cache.values):
+        pool.copy_(torch.randn_like(pool))
+    before = [pool.clone() for pool in (*cache.keys, *cache.values)]
+    cache.copy_blocks([(1, 4), (4, 5), (0, 2)])  # 4 is a destination and a source
+    for old, pool in zip(before, (*cache.keys, *cache.values)):
+        blocks, was = pool.view(6, 4, 3, 5), old.view(6, 4, 3, 5)
+        for src, dst in ((1, 4), (4, 5), (0, 2)):
+            assert torch.equal(blocks[dst], was[src])
+        for kept in (0, 1, 3):
+            assert torch.equal(blocks[kept], was[kept])

@@ -33,13 +33,13 @@ class PagedKVCache:
         return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
+        """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks): each
+        pool seen as one row per block, so that a block is one index, not one per slot."""
         if not pairs:
             return
-        bs = self.block_size
-        src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
-        dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
         device = self.keys[0].device
-        src, dst = to_device(src, device), to_device(dst, device)
+        src = to_device([s for s, _ in pairs], device, torch.long)
+        dst = to_device([d for _, d in pairs], device, torch.long)
         for pool in (*self.keys, *self.values):  # index_select copies src first
-            pool.index_copy_(0, dst, pool.index_select(0, src))
+            blocks = pool.view(-1, self.block_size * pool[0].numel())
+            blocks.index_copy_(0, dst, blocks.index_select(0, src))

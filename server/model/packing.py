@@ -151,7 +151,7 @@ def _gather_context(
 ) -> StepContext:
     """One-token rows as one padded `DecodeStep`, chunks one `SeqSlice` each, over their
     gathered histories."""
-    slot_parts: list[torch.Tensor] = []
+    slot_mapping: list[int] = []  # each packed token's slot
     decode_index: list[int] = []  # packed index of each one-token row
     decode_tables: list[list[int]] = []
     decode_lengths: list[int] = []
@@ -165,14 +165,14 @@ def _gather_context(
         stop = start + n
         if n == 1:
             decode_rows.append(row)
-            slot_parts.append(slots(table, start, stop, block_size))
+            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
             decode_index.append(first)
             decode_tables.append(table)
             decode_lengths.append(stop)
             decode_sources.append(source)
         else:
             history = slots(table, 0, stop, block_size)
-            slot_parts.append(history[start:])
+            slot_mapping += history[start:].tolist()
             prefill.append(SeqSlice(first, n, stop, to_device(history, device), source))
     decode = None
     index = None
@@ -193,7 +193,7 @@ def _gather_context(
         counts = torch.tensor(plan.num_new)
         per_token = to_device(torch.repeat_interleave(torch.tensor(source_lens), counts), device)
     return StepContext(
-        slot_mapping=to_device(torch.cat(slot_parts), device),
+        slot_mapping=to_device(slot_mapping, device, torch.long),
         decode=decode,
         decode_index=index,
         prefill=prefill,
