@@ -22,10 +22,11 @@ state: with them weight-only, perplexity went from 32.50 to 31.97 against fp32's
 alone gave 32.15, `k_proj` and `v_proj` alone 32.65). The MLP's wide `gate_proj` and `up_proj`,
 most of the decoder's weights, keep the integer GEMM.
 
-`w8a8-all` runs every decoder linear layer as an integer GEMM, those four too: what CTranslate2's
-int8 compute type does. It trades the accuracy above for speed where the weight-only kernel is the
-slower one (it is about twice `_int_mm`'s time at 32 rows of a 512-wide layer); its figures on
-Gemma are in docs/guides/tuning.md.
+`w8a8-all` runs every decoder linear layer as an integer GEMM, those four too, and an
+encoder-decoder model's encoder's as well: what CTranslate2's int8 compute type does. It trades
+the accuracy above for speed where the weight-only kernel is the slower one (it is about twice
+`_int_mm`'s time at 32 rows of a 512-wide layer); its figures on Gemma are in
+docs/guides/tuning.md.
 
 Every int8 format runs the LM head as `RescoredInt8Head`: int8 x int8 logits for the whole
 vocabulary, then the top `RESCORED_CANDIDATES` of each row computed again exactly from the
@@ -143,9 +144,11 @@ def quantize_decoder_w8a8(
     decoder: torch.nn.Module,
     device: torch.device,
     weight_only: frozenset[str] = WEIGHT_ONLY_UNDER_W8A8,
+    part: str = "decoder",
 ) -> int:
     """Replace the linear layers under `decoder` by Int8DynamicLinear, except those named in
-    `weight_only`, which become Int8WeightOnlyLinear; returns the count of both."""
+    `weight_only`, which become Int8WeightOnlyLinear; returns the count of both. `part`: what
+    the log line calls the module (an encoder-decoder model's encoder, under w8a8-all)."""
     if device.type != "cpu":
         raise ValueError("w8a8 runs on the CPU only; use --dtype bfloat16 on CUDA")
     kept = replace_linears(
@@ -159,8 +162,9 @@ def quantize_decoder_w8a8(
         lambda name, _layer: name not in weight_only,  # an unsupported down_proj stays float
     )
     log.info(
-        "decoder quantized: %d linear layers with int8 weights and int8 per-token activations, "
+        "%s quantized: %d linear layers with int8 weights and int8 per-token activations, "
         "%d weight-only (%s)",
+        part,
         dynamic,
         kept,
         ", ".join(sorted(weight_only)) or "none",

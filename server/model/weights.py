@@ -89,8 +89,10 @@ def load_serving_weights(
     lm_head, layout = apply_linear_layout(
         decoder, lm_head, linear_layout, device, compiled=compiled
     )
-    if is_seq2seq(config):  # the encoder, float under every int8 format, chooses on its own
+    if is_seq2seq(config):  # the encoder's float layers choose their layout on their own
         encoder = model.get_encoder()
+        if quantization == "w8a8-all":  # every linear layer of the model, as CTranslate2's int8
+            quantize_decoder_w8a8(encoder, device, WEIGHT_ONLY[quantization], part="encoder")
         _, encoder_layout = apply_linear_layout(
             encoder, torch.nn.Identity(), linear_layout, device, compiled=compiled
         )
