@@ -15,15 +15,14 @@ Encoder-decoder models run on the gather path, in the model's dtype, the encoder
 decoder's linear layers and the LM head in the CPU's layout, the encoder choosing its own under
 `auto` (cpu_linear.py: on the CPU, oneDNN's prepacked weights where they are timed faster, 3x MKL's
 at a step of 64 beam rows of a Marian-sized model on an AMD EPYC host). The CPU's int8 formats
-(quantization.py) apply to the decoder and the LM head when asked for (w8a8-all to the
-encoder as well); `auto` leaves these models
-in float32, their exact mode. With `torch_compile` set, a step in which every row adds one token
-past its decoder's first (the steady state) runs the decoder compiled (compiled_decode.py, kept
-in the compile cache like a decoder-only model's); other steps run eagerly. Its cross-attention is
-then padded so that no source dimension is of size one (step_context.CrossStep), and the graphs'
-example steps give each dynamic size its own value. No CUDA graphs, LoRA or tensor parallelism
-yet (server/runner_setup.py's `check_seq2seq_options` refuses them when asked for; the devices'
-defaults are off for them).
+(quantization.py) apply to the decoder and the LM head when asked for (w8a8-all to the encoder as
+well); `auto` leaves these models in float32, their exact mode. With `torch_compile` set, a step in
+which every row adds one token past its decoder's first (the steady state) runs the decoder
+compiled (compiled_decode.py, kept in the compile cache like a decoder-only model's); other steps
+run eagerly. Its cross-attention is then padded so that no source dimension is of size one
+(step_context.CrossStep), and the graphs' example steps give each dynamic size its own value. No
+CUDA graphs, LoRA or tensor parallelism yet (server/runner_setup.py's `check_seq2seq_options`
+refuses them when asked for; the devices' defaults are off for them).
 n-gram speculation works as for any model: its drafts are decoder tokens verified in a packed
 step.
 """
