@@ -79,14 +79,14 @@ def live_t5(t5_dir: Path) -> Iterator[tuple[str, str, int]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stream", [False, True], ids=["beams", "streamed-greedy"])
+@pytest.mark.parametrize("stream", [False, True], ids=["beams", "streamed-samples"])
 async def test_a_client_that_hangs_up_frees_the_source_and_every_beam(
     live_t5: tuple[str, str, int], stream: bool
 ) -> None:
     url, host, port = live_t5
     body = {"prompt": SOURCE, **LONG}
-    if stream:  # a greedy stream, cut after its first events
-        body |= {"num_beams": 1, "stream": True}
+    if stream:  # a stream of 4 samples (as many rows a step as the beams), cut early
+        body |= {"num_beams": 1, "n": 4, "temperature": 1.0, "seed": 0, "stream": True}
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         await wait_until_idle(client, timeout=5)
         before = aborted_total((await client.get("/metrics")).text)
