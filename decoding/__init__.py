@@ -10,7 +10,7 @@ from decoding.beam_search import BeamSearch, BeamStep, Hypothesis, step_beam_sea
 from decoding.group_beam import GroupBeamSearch
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from decoding.param_checks import DecodingParamsError
-from decoding.params import DecodingParams, check_vocab, request_width
+from decoding.params import DecodingParams, check_vocab, ranked_tokens, request_width
 from decoding.ranking import rank_samples
 from decoding.sampling import SamplingTensors, choose_tokens, process_logits, sample
 
@@ -42,6 +42,7 @@ __all__ = [
     "process_logits",
     "sample",
     "rank_samples",
+    "ranked_tokens",
     "request_width",
     "step_beam_searches",
     "token_logprobs",

@@ -292,6 +292,31 @@ def request_width(n: int, best_of: int | None, num_beams: int) -> int:
     return num_beams if num_beams > 1 else max(n, best_of or 0)
 
 
+def ranked_tokens(params: DecodingParams) -> int | None:
+    """How many of a row's likeliest tokens its choice and its returned logprobs depend on:
+    1 greedy, 2 x num_beams for beam search (a step keeps each request's best 2 x beams
+    candidates, as `generate()` does), `top_k` for top-k sampling, at least `logprobs`.
+    None where the whole distribution counts (sampling without top-k, beam sampling, group
+    beams' diversity penalty) or a processor changes logits' values (penalties, logit bias, an
+    allow-list). Bans (min_tokens' EOS, bad words, repeated n-grams) only drop tokens."""
+    changes_values = (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or bool(params.logit_bias)
+        or params.allowed_token_ids is not None
+    )
+    if changes_values or params.num_beam_groups > 1:
+        return None
+    if params.sampling:
+        if params.top_k <= 0:
+            return None
+        ranked = params.top_k
+    else:
+        ranked = 2 * params.num_beams if params.is_beam else 1
+    return max(ranked, params.logprobs or 0)
+
+
 def check_vocab(params: DecodingParams, vocab_size: int) -> None:
     """Token ids the request names (bias, stop, bad words) must be inside the model's vocabulary."""
     for name, ids in (

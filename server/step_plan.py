@@ -105,6 +105,9 @@ class StepPlan:
     # partly filled block are different blocks (empty: each row on its own)
     source_groups: list[int] = field(default_factory=list)
     encodes: list[SourceEncode] = field(default_factory=list)
+    # the most likeliest tokens any sampling row's choice reads (0: some row reads them all): an
+    # int8 LM head re-scores fewer candidates exactly (model/quantization.py)
+    ranked: int = 0
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -145,12 +148,13 @@ class StepOutput:
 
 
 # ---- the one encoding ---------------------------------------------------------------------------
-# ints: a header of counts, then the per-row columns, the table edits, releases, copies, scores,
-# LoRA slots, installs (slot, then the rank of each projection in `adapter_paths` order, 0 when the
-# adapter leaves it alone), the deferred tokens' rows and sources, and the sources (-1, or the
-# number of encodes, then each row's source length and each encode's row, length and tokens).
+# ints: a header of counts and `ranked`, then the per-row columns, the table edits, releases,
+# copies, scores, LoRA slots, installs (slot, then the rank of each projection in `adapter_paths`
+# order, 0 when the adapter leaves it alone), the deferred tokens' rows and sources, and the
+# sources (-1, or the number of encodes, then each row's source length and each encode's row,
+# length and tokens).
 # floats: every install's A and B, flattened, in that order.
-_HEADER = 9
+_HEADER = 10
 
 
 def encode_plan(
@@ -170,6 +174,7 @@ def encode_plan(
         -1 if plan.lora_slots is None else len(plan.lora_slots),
         len(plan.installs),
         -1 if deferred is None else len(deferred.rows),
+        plan.ranked,
     ]
     data += plan.row_ids
     data += plan.starts
@@ -233,10 +238,20 @@ def decode_plan(
     """The plan `encode_plan` encoded: `floats` its installs' weights, `values` the deferred
     tokens' values (on this rank's device), `adapter_shapes` each projection's (in, out)."""
     read = _Reader(data)
-    n, n_tokens, n_edits, n_released, n_copies, n_scores, n_slots, n_installs, n_deferred = (
-        read.take(_HEADER)
-    )
+    (
+        n,
+        n_tokens,
+        n_edits,
+        n_released,
+        n_copies,
+        n_scores,
+        n_slots,
+        n_installs,
+        n_deferred,
+        ranked,
+    ) = read.take(_HEADER)
     plan = StepPlan(
+        ranked=ranked,
         row_ids=read.take(n),
         starts=read.take(n),
         num_new=read.take(n),

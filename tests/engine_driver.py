@@ -14,7 +14,8 @@ from server.step_plan import NO_ADAPTER
 @dataclass(eq=False)
 class StubRequest:
     """What the scheduler needs of a request: its rows, its width, where its prompt still needs
-    computing for prompt logprobs, its priority and prefix-cache salt (no decoding state)."""
+    computing for prompt logprobs, its priority and prefix-cache salt, the tokens it ranks (no
+    decoding state)."""
 
     rows: list[Sequence] = field(default_factory=list)
     width: int = 1
@@ -25,6 +26,7 @@ class StubRequest:
     adapter_key: str | None = None
     lora_slot: int = NO_ADAPTER
     source_len: int = 0  # a decoder-only model's request
+    ranked_tokens: int = 0  # reads every token (the int8 head re-scores all its candidates)
 
 
 def stub_rows(token_ids: list[int], rows: int = 1) -> StubRequest:

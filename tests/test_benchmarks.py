@@ -666,6 +666,8 @@ def test_accuracy_reports_perplexity_agreement_and_the_int8_rank(
     assert "worst_int8_rank_of_top_token" not in report["fp32"]
     # the tiny model's 256-token vocabulary: every rescored candidate is in the int8 top 64
     assert 0 <= report["int8"]["worst_int8_rank_of_top_token"] < RESCORED_CANDIDATES
+    top_8 = report["int8"]["worst_int8_rank_of_top_8"]
+    assert report["int8"]["worst_int8_rank_of_top_token"] <= top_8 < RESCORED_CANDIDATES
     # the int8 head re-scores the top candidates exactly: greedy equals fp32 on the tiny model
     assert report["int8"]["identical_outputs"] == "2/2"
     assert abs(report["int8"]["perplexity"] / report["fp32"]["perplexity"] - 1) < 0.01

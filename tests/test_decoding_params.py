@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from decoding import DecodingParams, DecodingParamsError, check_vocab, request_width
+from decoding import (
+    DecodingParams,
+    DecodingParamsError,
+    check_vocab,
+    ranked_tokens,
+    request_width,
+)
 
 INVALID = [
     (dict(max_tokens=-1), "max_tokens"),
@@ -104,6 +110,31 @@ def test_strategy_and_width(kwargs: dict, strategy: str, width: int) -> None:
     assert p.strategy == strategy
     assert p.width == width
     assert p.greedy == (strategy in ("greedy", "beam", "group_beam"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, ranked",
+    [
+        (dict(temperature=0), 1),
+        (dict(temperature=0.7, top_k=1), 1),  # collapses to greedy
+        (dict(temperature=0, logprobs=5), 5),  # the top logprobs it returns
+        (dict(num_beams=4, temperature=0), 8),  # each request's best 2 x beams candidates
+        (dict(num_beams=4, temperature=0, min_tokens=5, no_repeat_ngram_size=2), 8),  # bans
+        (dict(temperature=1.0, top_k=40), 40),
+        (dict(temperature=1.0, top_k=40, top_p=0.9), 40),  # top-p inside the top 40
+        (dict(temperature=1.0), None),
+        (dict(temperature=1.0, top_p=0.9), None),
+        (dict(num_beams=4, do_sample=True, temperature=1.0), None),  # beam sampling
+        (dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5, temperature=0), None),
+        (dict(temperature=0, repetition_penalty=1.2), None),  # changes values, so ranks
+        (dict(temperature=0, frequency_penalty=0.5), None),
+        (dict(temperature=0, logit_bias={5: 10.0}), None),
+        (dict(temperature=0, allowed_token_ids=[1, 2]), None),
+    ],
+)
+def test_ranked_tokens(kwargs: dict, ranked: int | None) -> None:
+    """How many likeliest tokens a row's choice reads (None: all of them)."""
+    assert ranked_tokens(DecodingParams(**kwargs)) == ranked
 
 
 def test_containers_are_normalised() -> None:

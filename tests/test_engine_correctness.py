@@ -161,3 +161,35 @@ def test_fast_weight_formats_run_and_stay_close_to_fp32(
     first_tokens_agree = sum(g[0] == w[0] for g, w in zip(got, want))
     assert first_tokens_agree >= 3  # approximate formats: close, not equal
     assert fast.pool.num_free == fast.pool.num_blocks
+
+
+@pytest.mark.cpu_only
+def test_an_int8_head_rescores_as_many_candidates_as_the_step_ranks(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's `ranked` reaches the head on both paths (a packed prompt step, decode steps):
+    greedy rows rank their 1 likeliest token, so the head re-scores its fewest candidates; a
+    top-p row reads every token, so its steps re-score them all."""
+    from server.model.quantization import MIN_RESCORED, RESCORED_CANDIDATES, RescoredInt8Head
+
+    asked: list[int] = []
+    rescored = RescoredInt8Head.rescored
+
+    def spy(head: RescoredInt8Head, ranked: int = 0) -> int:
+        asked.append(rescored(head, ranked))
+        return asked[-1]
+
+    monkeypatch.setattr(RescoredInt8Head, "rescored", spy)
+    runner = ModelRunner(
+        llama_dir, device=TEST_DEVICE, dtype=torch.float32, block_size=4, num_blocks=128,
+        quantization="int8",
+    )  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    engine = Engine(runner, tok)
+    prompts = [tok(p).input_ids for p in PROMPTS[:3]]
+    generate(engine, prompts, DecodingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert asked and set(asked) == {MIN_RESCORED}
+    asked.clear()
+    top_p = DecodingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
+    generate(engine, prompts[:1], top_p)
+    assert asked and set(asked) == {RESCORED_CANDIDATES}

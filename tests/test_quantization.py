@@ -8,12 +8,14 @@ import torch
 from torch import nn
 
 from server.model.quantization import (
+    MIN_RESCORED,
     RESCORED_CANDIDATES,
     WEIGHT_ONLY,
     WEIGHT_ONLY_UNDER_W8A8,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
     RescoredInt8Head,
+    head_logits,
     kernel_supports,
     quantize_decoder_w8a8,
     quantize_decoder_weights,
@@ -132,6 +134,29 @@ def test_the_rescored_head_gives_every_candidate_its_exact_logit() -> None:
     assert float((got - exact).abs().max()) < 0.05 * float(exact.abs().max())
     alone = torch.cat([head(x[i : i + 1]) for i in range(12)])
     assert torch.equal(head(x), alone)
+
+
+@torch.inference_mode()
+def test_a_step_whose_rows_read_few_tokens_rescores_fewer_candidates() -> None:
+    """`ranked` (StepPlan.ranked): MIN_RESCORED at least, RANKED_MARGIN x ranked, at most the
+    head's own count; exactly those candidates get their floating-point logits, the rest keep
+    their int8 ones."""
+    torch.manual_seed(5)
+    weight = torch.randn(5000, 64)
+    head = RescoredInt8Head(weight)
+    assert [head.rescored(r) for r in (0, 1, 8, 16, 30)] == [64, MIN_RESCORED, 24, 48, 64]
+    x = torch.randn(6, 64)
+    exact, approx = x @ weight.t(), head.approximate(x)
+    for ranked in (1, 8):
+        got = head_logits(head, x, ranked)
+        changed = (got != approx).sum(dim=1)
+        assert changed.max() <= head.rescored(ranked) and changed.min() > 0
+        top = approx.topk(head.rescored(ranked), dim=1).indices
+        assert torch.allclose(got.gather(1, top), exact.gather(1, top), atol=1e-5)
+        assert torch.equal(got.argmax(dim=1), exact.argmax(dim=1))
+    assert torch.equal(head_logits(head, x), head(x))  # 0: every candidate
+    plain = nn.Linear(64, 10)
+    assert torch.equal(head_logits(plain, x, 1), plain(x))  # other heads take no count
 
 
 @torch.inference_mode()

@@ -304,6 +304,32 @@ def test_int8_formats_run_the_decoder_and_the_head_in_int8(
         assert [o[0] for o in outputs[quantization]] == [o[0] for o in outputs["none"]]
 
 
+def test_an_int8_head_rescores_what_beam_steps_rank(
+    family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three beams rank each request's best 6 candidates: every step of theirs that computes
+    logits asks the int8 head for RANKED_MARGIN x 6 re-scored ones (the plan's `ranked`)."""
+    from server.model.quantization import RANKED_MARGIN, RescoredInt8Head
+
+    asked: list[int] = []
+    rescored = RescoredInt8Head.rescored
+
+    def spy(head: RescoredInt8Head, ranked: int = 0) -> int:
+        asked.append(ranked)
+        return rescored(head, ranked)
+
+    monkeypatch.setattr(RescoredInt8Head, "rescored", spy)
+    model_dir = family_dirs["marian"]
+    engine = seq2seq_engine(model_dir, quantization="int8")
+    asked.clear()  # the warm-up's steps
+    params = DecodingParams(max_tokens=6, num_beams=3, temperature=0)
+    decode_in_one_batch(engine, sources(model_dir), params)
+    assert asked and set(asked) == {6}
+    assert RescoredInt8Head.rescored(cast(RescoredInt8Head, engine.runner.lm_head), 6) == (
+        RANKED_MARGIN * 6
+    )
+
+
 @pytest.mark.parametrize("family", ["bart", "marian", "t5"])
 def test_penalties_and_ngram_bans_look_at_the_decoder_tokens_as_generate_does(
     family_dirs: dict[str, Path], family: str

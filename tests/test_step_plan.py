@@ -62,6 +62,7 @@ def full_plan() -> StepPlan:
         lora_slots=[1, -1, 0, -1, 1],
         installs=[AdapterInstall(1, {"q_proj": (a, b), "o_proj": (o_a, o_b)})],
         deferred=DeferredTokens(torch.tensor([5, 6, 9]), [2, 3], [0, 2]),
+        ranked=8,
     )
 
 
@@ -114,6 +115,7 @@ def test_a_plan_with_every_kind_of_change_round_trips() -> None:
             encodes=[SourceEncode(1, [1, 2, 3])],
         ),
         StepPlan([5], [9], [1], [0], [True], [7], source_lens=[6]),  # no source in this step
+        StepPlan([1, 2], [5, 5], [1, 1], [0, 0], [True, True], [4, 4], ranked=1),  # greedy rows
     ],
     ids=[
         "empty",
@@ -123,6 +125,7 @@ def test_a_plan_with_every_kind_of_change_round_trips() -> None:
         "empty-install",
         "sources",
         "sources-decoding",
+        "ranked",
     ],
 )
 def test_small_plans_round_trip(plan: StepPlan) -> None:
@@ -146,6 +149,35 @@ def test_a_steady_decode_row_sends_no_table() -> None:
     seq.num_computed, seq.token_ids, seq.block_table = 4, [1, 2, 3, 4, 5], [7, 9]
     second = builder.build([WorkItem(seq, 1)], [], [])
     assert second.table_edits == [TableEdit(0, 1, [9])] and second.tokens == [5]
+
+
+def test_the_plan_says_how_many_likeliest_tokens_its_sampling_rows_read() -> None:
+    """The most any sampling row reads (greedy 1, four beams 8, top-k 5); 0 once one sampling
+    row reads the whole distribution (top-p), or has a grammar; rows that do not sample yet
+    (a prompt chunk) do not count."""
+
+    def row(params: DecodingParams, constrained: bool = False) -> Sequence:
+        req = EngineRequest("r", [1, 2, 3], params, lambda o: None)
+        if constrained:
+            req.constraint = object()  # type: ignore[assignment]
+        req.prepare(frozenset(), torch.device("cpu"), 64)
+        req.rows[0].block_table = [7]
+        return req.rows[0]
+
+    def ranked(*rows: tuple[Sequence, bool]) -> int:
+        items = [WorkItem(seq, 3 if samples else 2) for seq, samples in rows]  # 3: the prompt
+        assert [item.samples for item in items] == [samples for _, samples in rows]
+        return PlanBuilder(block_size=4, lora=False).build(items, [], []).ranked
+
+    greedy = row(DecodingParams(temperature=0))
+    beams = row(DecodingParams(num_beams=4, temperature=0))
+    top_k = row(DecodingParams(temperature=1.0, top_k=5))
+    top_p = row(DecodingParams(temperature=1.0, top_p=0.9))
+    assert ranked((greedy, True)) == 1
+    assert ranked((greedy, True), (beams, True), (top_k, True)) == 8
+    assert ranked((greedy, True), (top_p, True)) == 0
+    assert ranked((greedy, True), (top_p, False)) == 1  # a prompt chunk: no logits this step
+    assert ranked((row(DecodingParams(temperature=0), constrained=True), True)) == 0
 
 
 # ---- the property: the model side's tables follow the rows --------------------------------------

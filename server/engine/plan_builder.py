@@ -40,6 +40,7 @@ class PlanBuilder:
         row_ids, starts, num_new = plan.row_ids, plan.starts, plan.num_new
         num_drafts, samples, tokens = plan.num_drafts, plan.samples, plan.tokens
         bs = self.block_size
+        ranked: int | None = 0  # None once a sampling row reads every token
         for r, item in enumerate(items):
             seq, start, n, draft = item.seq, item.seq.num_computed, item.num_new, item.draft
             row_ids.append(seq.seq_id)
@@ -47,6 +48,9 @@ class PlanBuilder:
             num_new.append(n)
             num_drafts.append(len(draft))
             samples.append(item.samples)
+            if item.samples and ranked is not None:
+                need = seq.request.ranked_tokens
+                ranked = max(ranked, need) if need else None
             if n == 1:
                 tokens.append(seq.token_ids[start])
             else:
@@ -82,5 +86,6 @@ class PlanBuilder:
                 for r, (item, source) in enumerate(zip(items, plan.source_lens))
                 if item.seq.num_computed < source
             ]
+        plan.ranked = ranked or 0
         plan.installs, self.installs = self.installs, []
         return plan

@@ -14,7 +14,13 @@ from typing import Protocol
 
 import torch
 
-from decoding import BeamSearch, DecodingParams, GroupBeamSearch, make_beam_search
+from decoding import (
+    BeamSearch,
+    DecodingParams,
+    GroupBeamSearch,
+    make_beam_search,
+    ranked_tokens,
+)
 from decoding.constraints import TokenConstraint
 from decoding.penalty_table import PenaltyRow
 from decoding.random_streams import random_key, sibling_key, stream_key
@@ -208,6 +214,8 @@ class EngineRequest:
     # per step, the logprob of each (input row, token) its beam search chose (see beams.py)
     beam_logprobs: list[dict[tuple[int, int], TokenLogprob]] = field(default_factory=list)
     finishing_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
+    # how many likeliest tokens its choice reads (decoding.ranked_tokens; 0: all of them)
+    ranked_tokens: int = 0
     # prompt logprobs, when asked for: one per prompt token scored so far (the first is None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
@@ -229,6 +237,8 @@ class EngineRequest:
         (which takes over the request's constraint state)."""
         params = self.params
         self.finishing_ids = params.finishing_ids(eos_ids)
+        ranked = ranked_tokens(params)
+        self.ranked_tokens = 0 if ranked is None or self.constraint is not None else ranked
         self.stream_key = stream_key(params.seed) if params.seed is not None else random_key()
         if params.is_beam:
             room = max_model_len - len(self.prompt_ids)

@@ -33,7 +33,9 @@ vocabulary, then the top `RESCORED_CANDIDATES` of each row computed again exactl
 floating-point head weights. Greedy, beam search and top-k (k up to that count) therefore rank
 their candidates by the floating-point head's logits, as long as the floating-point top tokens are
 among the int8 top candidates (benchmarks/accuracy.py measures how far down they ever fall); only
-the far tail (what a softmax normalizer or a top-p mass adds up) keeps int8 error.
+the far tail (what a softmax normalizer or a top-p mass adds up) keeps int8 error. A step whose
+rows each read only a few likeliest tokens (greedy, beam search, small top-k: the step plan's
+`ranked`) re-scores fewer: three times that many, at least 16.
 
 `benchmarks/accuracy.py` reports perplexity and greedy agreement of each format against fp32.
 CPU only: every kernel here is a CPU kernel.
@@ -177,6 +179,15 @@ def quantize_decoder_w8a8(
 # below third among the int8 logits with the fp32 decoder, fourth with w8a8's
 # (benchmarks/accuracy.py: worst_int8_rank_of_top_token; 2026-11-26).
 RESCORED_CANDIDATES = 64
+# A step whose rows each read only their `ranked` likeliest tokens (greedy 1, beam search 2 x
+# beams, top-k sampling k: StepPlan.ranked) re-scores RANKED_MARGIN x that many, at least
+# MIN_RESCORED: on the same text, the floating-point top 8 tokens of w8a8-all's decoder ranked
+# at worst 17th among the int8 logits (top 1: 3rd, top 4: 7th, top 16: 26th, top 32: 45th;
+# 2026-11-29). In process, one thread, 24 instead of 64 took a Marian-shaped beam step (32 rows,
+# 58k vocabulary) from about 5.3 to 5.0-5.2 ms in the head (of 18 ms; the selection's first pass
+# over the logits stays), and 16 greedy Gemma rows' steps 3-4% faster.
+RANKED_MARGIN = 3
+MIN_RESCORED = 16
 
 
 class RescoredInt8Head(torch.nn.Module):
@@ -200,10 +211,17 @@ class RescoredInt8Head(torch.nn.Module):
         """int8 logits [rows, vocab] of float32 rows [rows, hidden]."""
         return cast(torch.Tensor, self.int8(x))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def rescored(self, ranked: int = 0) -> int:
+        """Candidates re-scored per row when each row reads its `ranked` likeliest tokens (0:
+        every token, as prompt scoring and top-p sampling do)."""
+        if ranked <= 0:
+            return self.candidates
+        return min(self.candidates, max(MIN_RESCORED, RANKED_MARGIN * ranked))
+
+    def forward(self, x: torch.Tensor, ranked: int = 0) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
         logits = self.approximate(flat)
-        top = largest(logits, self.candidates, sorted=False)[1]
+        top = largest(logits, self.rescored(ranked), sorted=False)[1]
         # [rows, candidates, hidden]; index_select: 3x faster on the CPU than indexing
         rows = self.weight.index_select(0, top.view(-1)).view(*top.shape, -1).to(flat.dtype)
         # a multiply and a sum, not a bmm: its reduction order, and so a row's logits, would
@@ -221,6 +239,11 @@ class RescoredInt8Head(torch.nn.Module):
 
     def __repr__(self) -> str:  # one line in the start-up log, not the int8 child's repr too
         return f"{type(self).__name__}({self.extra_repr()})"
+
+
+def head_logits(head: torch.nn.Module, x: torch.Tensor, ranked: int = 0) -> torch.Tensor:
+    """`head(x)`; a RescoredInt8Head re-scores as many candidates as `ranked` asks for."""
+    return head(x, ranked) if isinstance(head, RescoredInt8Head) else head(x)
 
 
 def quantized_lm_head(head: torch.nn.Module, device: torch.device, method: str) -> torch.nn.Module:

@@ -43,6 +43,7 @@ from server.model.packing import (
     verify_inputs,
 )
 from server.model.paged_step import PagedStep
+from server.model.quantization import head_logits
 from server.model.row_tables import RowTables
 from server.model.step_context import DecodeStep, StepContext
 from server.model.weights import load_serving_weights, text_config
@@ -204,8 +205,9 @@ class ModelRunner:
         """Hidden states [T, hidden] of the packed tokens (eagerly, the compiled step's code)."""
         return decode_forward(self.decoder, input_ids, position_ids, ctx)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden.to(self.head_dtype))
+    def _logits(self, hidden: torch.Tensor, ranked: int = 0) -> torch.Tensor:
+        """`ranked`: StepPlan.ranked (an int8 head re-scores fewer candidates)."""
+        logits = head_logits(self.lm_head, hidden.to(self.head_dtype), ranked)
         if self.tp is not None:  # this rank's vocabulary: the driver gathers every rank's
             logits = self.tp.gather_vocab(logits, self.vocab_size)  # in the head's dtype
         logits = logits.float()
@@ -253,6 +255,7 @@ class ModelRunner:
         tokens: list[int],
         positions: list[int],
         edit_tokens: Callable[[torch.Tensor], None] = lambda t: None,
+        ranked: int = 0,
     ) -> torch.Tensor:
         """Logits [B, V] of B rows that each add `tokens[b]` at `positions[b]` (gather path);
         `edit_tokens` may change the tokens on the device first."""
@@ -262,7 +265,7 @@ class ModelRunner:
         edit_tokens(input_ids[0])
         position_ids = to_device(positions, self.device, torch.long).unsqueeze(0)
         ctx.kv = self.kv_cache  # the compiled step takes the pools as an input
-        return self._logits(self._run_decode(input_ids, position_ids, ctx))
+        return self._logits(self._run_decode(input_ids, position_ids, ctx), ranked)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -292,7 +295,7 @@ class ModelRunner:
                 return StepOutput(logits, reused=True)  # the next replay overwrites them
             if self.attention_backend != "triton":  # drafts: one decode query row each
                 inputs = decode_inputs(plan, tables) if decode else verify_inputs(plan, tables)
-                return StepOutput(self._decode_step(*inputs, edit))
+                return StepOutput(self._decode_step(*inputs, edit, plan.ranked))
         return self._execute_packed(plan, tables)
 
     def _standalone(self, plan: StepPlan) -> StepOutput:
@@ -315,4 +318,4 @@ class ModelRunner:
         if not packed.sample_rows:
             return StepOutput(hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scores)
         rows = hidden[packed.sample_index]
-        return StepOutput(self._logits(rows), scores)
+        return StepOutput(self._logits(rows, plan.ranked), scores)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from server.model.kv_cache import PagedKVCache
+from server.model.quantization import head_logits
 from server.model.step_context import DecodeStep, StepContext
 
 # how each family embeds a decoder position p (0 for the decoder's first token)
@@ -178,10 +179,10 @@ class Seq2SeqParts:
             return cast(torch.Tensor, table((1, relative.numel()), 0, position_ids=relative))
         return cast(torch.Tensor, table.weights.index_select(0, relative + table.padding_idx + 1))
 
-    def logits(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, head: nn.Module, hidden: torch.Tensor, ranked: int = 0) -> torch.Tensor:
         """The LM head's float32 logits, plus the families' `final_logits_bias` (a zero vector
-        in most checkpoints)."""
-        logits = head(hidden).float()
+        in most checkpoints); `ranked` as quantization.head_logits takes it."""
+        logits = head_logits(head, hidden, ranked).float()
         if self.bias is None:
             return logits
         return logits + self.bias.to(logits.dtype).view(-1)[: logits.shape[-1]]

@@ -137,8 +137,8 @@ class Seq2SeqRunner(ModelRunner):
         relative = torch.full_like(input_ids, decoded - 1)
         return input_ids, relative, step
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.parts.logits(self.lm_head, hidden.to(self.head_dtype))
+    def _logits(self, hidden: torch.Tensor, ranked: int = 0) -> torch.Tensor:
+        return self.parts.logits(self.lm_head, hidden.to(self.head_dtype), ranked)
 
     def _execute(self, plan: StepPlan, tables: list[list[int]]) -> StepOutput:
         """Write the plan's sources' keys and values, then run its decoder tokens."""
@@ -179,7 +179,7 @@ def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int
     """The plan's decoder tokens: each row's tokens from its source's end on (rows whose step
     covered source positions only are left out; they do not sample), with the kept rows'
     indexes."""
-    part = StepPlan(source_lens=[])
+    part = StepPlan(source_lens=[], ranked=plan.ranked)
     kept: list[int] = []
     first = 0
     for r, (start, n, source) in enumerate(zip(plan.starts, plan.num_new, sources)):

@@ -102,7 +102,7 @@ class T5Parts(Seq2SeqParts):
             )[0]
         return cast(torch.Tensor, decoder.final_layer_norm(hidden)[0])
 
-    def logits(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, head: nn.Module, hidden: torch.Tensor, ranked: int = 0) -> torch.Tensor:
         if self.scales_output:
             hidden = hidden * self.scale
-        return super().logits(head, hidden)
+        return super().logits(head, hidden, ranked)
