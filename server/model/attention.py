@@ -62,6 +62,40 @@ def _attend(
     return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def _fuses(q: torch.Tensor, softcap: float | None, sources: bool) -> bool:
+    """Whether attention is written as products and sums (`_attend_fused`): while
+    torch.compile traces an encoder-decoder model's CPU step. Inductor fuses them with the
+    gathers of the keys and values, where its SDPA first copies them into its own layout: the
+    benchmarks' Marian and T5-base workloads ran 8% and 11% faster (in process, one thread).
+    Gemma 3's decoder-only step ran 12% slower with them, though its shapes were faster alone;
+    it keeps SDPA, as eager steps do (their sums are the ones generate() makes). `sources`: the
+    step's rows have sources."""
+    compiled_cpu = q.device.type == "cpu" and torch.compiler.is_compiling()
+    return compiled_cpu and softcap is None and sources
+
+
+def _attend_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """q [B, Q, H, D], k/v [B, L, Hkv, D] as gathered (not permuted), a mask broadcastable to
+    [B, H, Q, L] (boolean, or a float one added to the scores) -> [B, Q, H, D], in float32.
+    (A compiled CPU step with 32 rows of 48 keys, 8 heads: 2-3x faster than inductor's SDPA.)"""
+    b, queries, heads, dim = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    qg = q.float().view(b, queries, 1, kv_heads, group, dim)
+    kg = k.float().view(b, 1, length, kv_heads, 1, dim)
+    scores = ((qg * kg).sum(-1) * scaling).view(b, queries, length, heads)
+    where = mask.permute(0, 2, 3, 1)  # [B, Q, L, H], broadcast
+    if where.dtype == torch.bool:
+        scores = scores.masked_fill(~where, float("-inf"))
+    else:
+        scores = scores + where.float()
+    weights = scores.softmax(dim=2).view(b, queries, length, kv_heads, group, 1)
+    out = (weights * v.float().view(b, 1, length, kv_heads, 1, dim)).sum(2)
+    return out.view(b, queries, heads, dim).to(q.dtype)
+
+
 def _attend_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -82,10 +116,8 @@ def _attend_decode(
             raise RuntimeError("a cross-attention layer in a step without sources")
         return _attend_sources(q, k_pool, v_pool, step.cross, scaling, softcap)
     shape = (*step.gather.shape, *k_pool.shape[1:])
-    k = (
-        k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
-    )  # [B, Hkv, L, D]
-    v = v_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
+    k = k_pool.index_select(0, step.gather.view(-1)).view(shape)  # [B, L, Hkv, D]
+    v = v_pool.index_select(0, step.gather.view(-1)).view(shape)
     mask = step.mask(window)
     if relative is not None:  # [B, L, H] -> [B, H, 1, L], -inf where a row sees no key
         memo = {} if memo is None else memo
@@ -94,6 +126,9 @@ def _attend_decode(
             bias = relative(step.positions - (step.lengths - 1)).permute(0, 2, 1).unsqueeze(2)
             memo[key] = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
         mask = memo[key]
+    if _fuses(q, softcap, step.cross is not None):
+        return _attend_fused(q.unsqueeze(1), k, v, mask, scaling).squeeze(1)
+    k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [B, Hkv, L, D]
     return _attend(q.unsqueeze(2), k, v, mask, scaling, softcap).squeeze(2)
 
 
@@ -109,13 +144,18 @@ def _attend_sources(
     source's rows side by side against one gather of its keys (CrossStep)."""
     step = cross.sources
     shape = (*step.gather.shape, *k_pool.shape[1:])
-    k = k_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
-    v = v_pool.index_select(0, step.gather.view(-1)).view(shape).permute(0, 2, 1, 3)
+    k = k_pool.index_select(0, step.gather.view(-1)).view(shape)  # [G, L, Hkv, D]
+    v = v_pool.index_select(0, step.gather.view(-1)).view(shape)
     with_none = torch.cat([q, q.new_zeros((1, *q.shape[1:]))])  # slot_rows' B: no row
     side_by_side = with_none.index_select(0, cross.slot_rows.view(-1))
-    grouped = side_by_side.view(*cross.slot_rows.shape, *q.shape[1:]).transpose(1, 2)
-    out = _attend(grouped, k, v, step.mask(None), scaling, softcap)  # [G, H, W, D]
-    return out.transpose(1, 2).flatten(0, 1).index_select(0, cross.query_slots)
+    grouped = side_by_side.view(*cross.slot_rows.shape, *q.shape[1:])  # [G, W, H, D]
+    if _fuses(q, softcap, sources=True):
+        out = _attend_fused(grouped, k, v, step.mask(None), scaling)
+    else:
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        out = _attend(grouped.transpose(1, 2), k, v, step.mask(None), scaling, softcap)
+        out = out.transpose(1, 2)  # [G, W, H, D]
+    return out.flatten(0, 1).index_select(0, cross.query_slots)
 
 
 PagedKernel = Callable[..., torch.Tensor]  # triton_attention.paged_attention's signature
