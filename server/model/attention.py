@@ -66,7 +66,7 @@ def _fuses(q: torch.Tensor, softcap: float | None, sources: bool) -> bool:
     """Whether attention is written as products and sums (`_attend_fused`): while
     torch.compile traces an encoder-decoder model's CPU step. Inductor fuses them with the
     gathers of the keys and values, where its SDPA first copies them into its own layout: the
-    benchmarks' Marian and T5-base workloads ran 8% and 11% faster (in process, one thread).
+    benchmarks' Marian and T5-base workloads ran 5-8% and 11% faster (in process, one thread).
     Gemma 3's decoder-only step ran 12% slower with them, though its shapes were faster alone;
     it keeps SDPA, as eager steps do (their sums are the ones generate() makes). `sources`: the
     step's rows have sources."""
