@@ -164,24 +164,15 @@ def sse_chunks(body: str) -> list[dict]:
 async def test_streaming_sampled_choices_interleave_and_beams_arrive_whole(
     client: httpx.AsyncClient,
 ) -> None:
-    r = await client.post(
-        "/v1/completions",
-        json={
-            "prompt": "Hi",
-            "max_tokens": 6,
-            "n": 2,
-            "seed": 1,
-            "ignore_eos": True,
-            "stream": True,
-        },
-    )
+    # 32 tokens: a consumer that falls behind gets one merged delta per choice
+    # (engine/client.py: stream_outputs), so with 6 a busy CI host once saw each choice whole;
+    # the choices interleave unless it fell behind for the request's whole run
+    sampled = {"prompt": "Hi", "max_tokens": 32, "n": 2, "seed": 1, "ignore_eos": True}
+    r = await client.post("/v1/completions", json={**sampled, "stream": True})
     chunks = sse_chunks(r.text)
     indices = [c["choices"][0]["index"] for c in chunks]
     assert set(indices) == {0, 1} and indices != sorted(indices)  # token by token, both choices
-    plain = await client.post(
-        "/v1/completions",
-        json={"prompt": "Hi", "max_tokens": 6, "n": 2, "seed": 1, "ignore_eos": True},
-    )
+    plain = await client.post("/v1/completions", json=sampled)
     streamed = {
         i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
         for i in (0, 1)
