@@ -21,13 +21,18 @@ import torch
 
 MIN_LENGTH = 16_384  # entries per row below which torch.topk is as fast
 CANDIDATES = 2048  # entries per row the second pass selects from (k chunks of this / k)
+MIN_CHUNK = 32  # shorter chunks: the maxima's pass costs as much as one torch.topk
 
 
 def chunk_size(length: int, k: int) -> int | None:
     """The chunk the two passes cut rows of `length` into for the top `k`; None where one
     `torch.topk` is as fast (short rows, or so large a k that few chunks would be left out)."""
-    chunk = max(16, min(256, CANDIDATES // max(k, 1)))
-    return chunk if k >= 1 and length >= max(MIN_LENGTH, 4 * k * chunk) else None
+    per_chunk = CANDIDATES // max(k, 1)
+    if k < 1 or per_chunk < MIN_CHUNK:
+        return None
+    # a power of two: the maxima's pass over other chunk sizes runs 2-10x slower on the CPU
+    chunk = min(256, 1 << per_chunk.bit_length() - 1)
+    return chunk if length >= max(MIN_LENGTH, 4 * k * chunk) else None
 
 
 def largest(x: torch.Tensor, k: int, *, sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

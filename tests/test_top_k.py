@@ -16,7 +16,15 @@ def _takes_two_passes(length: int, k: int) -> bool:
 
 @pytest.mark.parametrize(
     ("rows", "length", "k"),
-    [(3, 58_101, 64), (5, 4 * 58_101, 8), (2, 32_768, 8), (4, 16_384, 1), (2, 20_000, 2)],
+    [
+        (3, 58_101, 64),
+        (3, 58_101, 24),
+        (2, 58_101, 40),
+        (5, 4 * 58_101, 8),
+        (2, 32_768, 8),
+        (4, 16_384, 1),
+        (2, 20_000, 2),
+    ],
 )
 def test_equals_torch_topk_without_ties(rows: int, length: int, k: int) -> None:
     assert _takes_two_passes(length, k)
@@ -67,6 +75,14 @@ def test_rows_with_fewer_finite_entries_than_k_are_torch_topks() -> None:
     assert indices[1, :2].tolist() == [39_999, 5]
 
 
+@pytest.mark.parametrize("k", [1, 8, 16, 24, 40, 64])
+def test_chunks_are_powers_of_two_of_at_least_32(k: int) -> None:
+    """The maxima's pass over a chunk of another length runs several times slower."""
+    chunk = top_k.chunk_size(58_101, k)
+    assert chunk is not None and chunk >= 32 and chunk & (chunk - 1) == 0
+    assert chunk * k <= top_k.CANDIDATES
+
+
 def test_short_rows_and_large_k_are_torch_topk() -> None:
     x = torch.randn(2, 1000)
     assert not _takes_two_passes(1000, 4)
@@ -74,3 +90,4 @@ def test_short_rows_and_large_k_are_torch_topk() -> None:
     y = torch.randn(2, 20_000)
     assert not _takes_two_passes(20_000, 512)
     assert torch.equal(largest(y, 512)[1], y.topk(512, dim=-1).indices)
+    assert not _takes_two_passes(58_101, 100)  # chunks of 20: slower than torch.topk
