@@ -17,8 +17,8 @@ from server.model.quantization import (
     RescoredInt8Head,
     head_logits,
     kernel_supports,
-    quantize_decoder_w8a8,
     quantize_decoder_weights,
+    quantize_w8a8,
     quantized_lm_head,
 )
 
@@ -92,7 +92,7 @@ class _MLP(nn.Module):
 
 def test_w8a8_keeps_down_proj_weight_only_and_quantizes_the_rest() -> None:
     model = nn.ModuleDict({"q_proj": nn.Linear(64, 32), "mlp": _MLP(64, 128), "odd": _MLP(64, 24)})
-    assert quantize_decoder_w8a8(model, torch.device("cpu")) == 4
+    assert quantize_w8a8(model, torch.device("cpu")) == 4
     assert isinstance(model["q_proj"], Int8WeightOnlyLinear)  # its input has outlier channels
     assert isinstance(model["mlp"].up_proj, Int8DynamicLinear)
     assert isinstance(model["mlp"].down_proj, Int8WeightOnlyLinear)
@@ -106,7 +106,7 @@ def test_w8a8_all_runs_every_layer_as_an_integer_gemm() -> None:
     """`w8a8-all` (CTranslate2's int8): the layers w8a8 keeps weight-only are integer GEMMs too,
     a K the weight-only kernel cannot take included."""
     model = nn.ModuleDict({"q_proj": nn.Linear(64, 32), "mlp": _MLP(64, 128), "odd": _MLP(64, 24)})
-    assert quantize_decoder_w8a8(model, torch.device("cpu"), WEIGHT_ONLY["w8a8-all"]) == 5
+    assert quantize_w8a8(model, torch.device("cpu"), WEIGHT_ONLY["w8a8-all"]) == 5
     layers = [model["q_proj"], model["mlp"].up_proj, model["mlp"].down_proj, model["odd"].down_proj]
     assert all(isinstance(layer, Int8DynamicLinear) for layer in layers)
     assert WEIGHT_ONLY["w8a8"] == WEIGHT_ONLY_UNDER_W8A8
@@ -114,7 +114,7 @@ def test_w8a8_all_runs_every_layer_as_an_integer_gemm() -> None:
 
 def test_w8a8_is_cpu_only() -> None:
     with pytest.raises(ValueError, match="CPU only"):
-        quantize_decoder_w8a8(nn.Linear(16, 16), torch.device("cuda"))
+        quantize_w8a8(nn.Linear(16, 16), torch.device("cuda"))
 
 
 @torch.inference_mode()

@@ -198,7 +198,8 @@ def test_beam_search_with_the_two_pass_top_k_equals_generate(
     """The beam step's selection over beams x vocabulary in two passes (decoding/top_k.py), which
     a real vocabulary takes, forced on the tiny one: the same beams as generate()'s."""
     monkeypatch.setattr(top_k, "MIN_LENGTH", 0)
-    monkeypatch.setattr(top_k, "CANDIDATES", 16)
+    monkeypatch.setattr(top_k, "CANDIDATES", 64)
+    monkeypatch.setattr(top_k, "MIN_CHUNK", 2)
     chunks: list[int | None] = []
     chunk_size = top_k.chunk_size
     monkeypatch.setattr(
@@ -211,7 +212,7 @@ def test_beam_search_with_the_two_pass_top_k_equals_generate(
     assert_each_equals_generate(
         model_dir, ids, got, max_new_tokens=10, num_beams=num_beams, num_return_sequences=2
     )
-    assert 16 in chunks  # the beam steps took the two passes
+    assert any(chunk in (4, 8) for chunk in chunks)  # the beam steps took the two passes
 
 
 @pytest.mark.parametrize("family", ["bart", "t5", "mt5"])

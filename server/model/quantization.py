@@ -142,24 +142,24 @@ def quantize_decoder_weights(decoder: torch.nn.Module, device: torch.device) -> 
     return count
 
 
-def quantize_decoder_w8a8(
-    decoder: torch.nn.Module,
+def quantize_w8a8(
+    module: torch.nn.Module,
     device: torch.device,
     weight_only: frozenset[str] = WEIGHT_ONLY_UNDER_W8A8,
     part: str = "decoder",
 ) -> int:
-    """Replace the linear layers under `decoder` by Int8DynamicLinear, except those named in
-    `weight_only`, which become Int8WeightOnlyLinear; returns the count of both. `part`: what
-    the log line calls the module (an encoder-decoder model's encoder, under w8a8-all)."""
+    """Replace the linear layers under `module` (a decoder, or an encoder-decoder model's
+    encoder under w8a8-all) by Int8DynamicLinear, except those named in `weight_only`, which
+    become Int8WeightOnlyLinear; returns the count of both. `part`: what the log line calls it."""
     if device.type != "cpu":
         raise ValueError("w8a8 runs on the CPU only; use --dtype bfloat16 on CUDA")
     kept = replace_linears(
-        decoder,
+        module,
         lambda layer: Int8WeightOnlyLinear(layer.weight, layer.bias),
         lambda name, layer: name in weight_only and kernel_supports(layer.in_features),
     )
     dynamic = replace_linears(
-        decoder,
+        module,
         lambda layer: Int8DynamicLinear(layer.weight, layer.bias),
         lambda name, _layer: name not in weight_only,  # an unsupported down_proj stays float
     )

@@ -19,8 +19,8 @@ from server.model.lora.files import target_modules
 from server.model.lora.modules import LoRAModules
 from server.model.quantization import (
     WEIGHT_ONLY,
-    quantize_decoder_w8a8,
     quantize_decoder_weights,
+    quantize_w8a8,
     quantized_lm_head,
 )
 from server.parallel.group import TPGroup
@@ -85,14 +85,14 @@ def load_serving_weights(
     if quantization == "int8-weights":
         quantize_decoder_weights(decoder, device)
     elif quantization in WEIGHT_ONLY:
-        quantize_decoder_w8a8(decoder, device, WEIGHT_ONLY[quantization])
+        quantize_w8a8(decoder, device, WEIGHT_ONLY[quantization])
     lm_head, layout = apply_linear_layout(
         decoder, lm_head, linear_layout, device, compiled=compiled
     )
     if is_seq2seq(config):  # the encoder's float layers choose their layout on their own
         encoder = model.get_encoder()
         if quantization == "w8a8-all":  # every linear layer of the model, as CTranslate2's int8
-            quantize_decoder_w8a8(encoder, device, WEIGHT_ONLY[quantization], part="encoder")
+            quantize_w8a8(encoder, device, WEIGHT_ONLY[quantization], part="encoder")
         _, encoder_layout = apply_linear_layout(
             encoder, torch.nn.Identity(), linear_layout, device, compiled=compiled
         )

@@ -178,27 +178,43 @@ class Seq2SeqRunner(ModelRunner):
 def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int]]:
     """The plan's decoder tokens: each row's tokens from its source's end on (rows whose step
     covered source positions only are left out; they do not sample), with the kept rows'
-    indexes."""
-    part = StepPlan(source_lens=[], ranked=plan.ranked)
+    indexes. The step's own fields (`ranked`, and any added later) carry over; what `execute`
+    already did (table edits, releases, copies, installs, the sources' writes) does not. Rows
+    indexed by fields an encoder-decoder step never has (scores, deferred tokens, LoRA slots:
+    refused at the front end or at start-up) stop it rather than point at the wrong rows."""
+    if plan.scores or plan.deferred is not None or plan.lora_slots is not None:
+        raise RuntimeError("an encoder-decoder step with scores, deferred tokens or LoRA slots")
     kept: list[int] = []
-    first = 0
-    for r, (start, n, source) in enumerate(zip(plan.starts, plan.num_new, sources)):
+    starts: list[int] = []
+    num_new: list[int] = []
+    tokens: list[int] = []
+    for r, (start, n, source, first) in enumerate(
+        zip(plan.starts, plan.num_new, sources, plan.token_starts())
+    ):
         skip = max(0, source - start)
         if skip < n:
             kept.append(r)
-            part.row_ids.append(plan.row_ids[r])
-            part.starts.append(start + skip)
-            part.num_new.append(n - skip)
-            part.num_drafts.append(plan.num_drafts[r])
-            part.samples.append(plan.samples[r])
-            part.tokens += plan.tokens[first + skip : first + n]
-            assert part.source_lens is not None
-            part.source_lens.append(source)
-            if plan.source_groups:
-                part.source_groups.append(plan.source_groups[r])
+            starts.append(start + skip)
+            num_new.append(n - skip)
+            tokens += plan.tokens[first + skip : first + n]
         elif plan.samples[r]:
             raise RuntimeError(f"row {plan.row_ids[r]} samples inside its source")
-        first += n
+    part = replace(
+        plan,
+        row_ids=[plan.row_ids[r] for r in kept],
+        starts=starts,
+        num_new=num_new,
+        num_drafts=[plan.num_drafts[r] for r in kept],
+        samples=[plan.samples[r] for r in kept],
+        tokens=tokens,
+        source_lens=[sources[r] for r in kept],
+        source_groups=[plan.source_groups[r] for r in kept] if plan.source_groups else [],
+        table_edits=[],
+        released=[],
+        copies=[],
+        installs=[],
+        encodes=[],
+    )
     return part, kept
 
 
