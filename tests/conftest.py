@@ -151,6 +151,7 @@ def make_engine(
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
     linear_layout: str = "native",
+    quantization: str = "none",
 ) -> Engine:
     """`linear_layout` native by default: auto picks the CPU's layouts by timing them at each
     start, and two engines of one test may then round differently (tests/test_cpu_linear.py
@@ -164,6 +165,7 @@ def make_engine(
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
         linear_layout=linear_layout,
+        quantization=quantization,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return Engine(

@@ -14,6 +14,7 @@ from decoding import DecodingParams
 from server.api.app import create_app
 from server.engine.engine import Engine
 from server.engine.request import TokenLogprob
+from server.model.quantization import RescoredInt8Head
 from tests.conftest import hf_reference, make_engine, serving_context
 from tests.engine_driver import Collected, run_to_completion, submit
 
@@ -82,6 +83,22 @@ def test_prompt_logprobs_match_transformers(gemma: tuple, budget: int) -> None:
         assert result.token_ids[0] == int(ref[-1].argmax())
     assert all(o.prompt_logprobs is None for o in plain.outputs)
     assert plain.token_ids == got[0].token_ids
+
+
+def test_prompt_logprobs_under_the_int8_head_are_the_floating_point_heads(gemma: tuple) -> None:
+    """An int8 LM head (`int8`: the decoder stays in fp32) scores a prompt from its
+    floating-point weight: transformers' logprobs, for the targets outside the candidates it
+    re-scores and for the normalizer too, with their ranks and top tokens."""
+    model_dir, model, tok = gemma
+    engine = make_engine(model_dir, quantization="int8")
+    head = engine.runner.lm_head
+    assert isinstance(head, RescoredInt8Head) and head.candidates < engine.runner.vocab_size
+    prompts = [encode(tok, p) for p in PROMPTS]
+    scored = DecodingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)
+    got = [submit(engine, str(i), ids, scored) for i, ids in enumerate(prompts)]
+    run_to_completion(engine)
+    for ids, result in zip(prompts, got):
+        check_against(reference(model, ids), ids, prompt_logprobs_of(result))
 
 
 def test_a_cached_prefix_is_computed_again_where_its_logits_are_needed(gemma: tuple) -> None:

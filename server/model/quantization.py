@@ -35,7 +35,12 @@ their candidates by the floating-point head's logits, as long as the floating-po
 among the int8 top candidates (benchmarks/accuracy.py measures how far down they ever fall); only
 the far tail (what a softmax normalizer or a top-p mass adds up) keeps int8 error. A step whose
 rows each read only a few likeliest tokens (greedy, beam search, small top-k: the step plan's
-`ranked`) re-scores fewer: three times that many, at least 16.
+`ranked`) re-scores fewer: three times that many, at least 16. Prompt scoring (prompt logprobs,
+`echo` with logprobs: what an evaluation harness reads) asks for `EXACT_LOGITS` instead: the
+floating-point head over the whole vocabulary, so that a target token outside the candidates and
+the softmax's normalizer carry no int8 error (an lm-evaluation-harness log-likelihood through the
+int8 head differed from transformers' by up to 1.28 nats; the decoder's own formats still change
+scores as they change everything).
 
 `benchmarks/accuracy.py` reports perplexity and greedy agreement of each format against fp32.
 CPU only: every kernel here is a CPU kernel.
@@ -188,6 +193,9 @@ RESCORED_CANDIDATES = 64
 # over the logits stays), and 16 greedy Gemma rows' steps 3-4% faster.
 RANKED_MARGIN = 3
 MIN_RESCORED = 16
+# The `ranked` of logits read as logprobs over the whole vocabulary (prompt scoring): an int8
+# head computes every logit from its floating-point weight
+EXACT_LOGITS = -1
 
 
 class RescoredInt8Head(torch.nn.Module):
@@ -213,12 +221,14 @@ class RescoredInt8Head(torch.nn.Module):
 
     def rescored(self, ranked: int = 0) -> int:
         """Candidates re-scored per row when each row reads its `ranked` likeliest tokens (0:
-        every token, as prompt scoring and top-p sampling do)."""
+        every token's rank, as top-p sampling does)."""
         if ranked <= 0:
             return self.candidates
         return min(self.candidates, max(MIN_RESCORED, RANKED_MARGIN * ranked))
 
     def forward(self, x: torch.Tensor, ranked: int = 0) -> torch.Tensor:
+        if ranked == EXACT_LOGITS:  # the floating-point head, whole
+            return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).float()
         flat = x.reshape(-1, x.shape[-1]).float()
         logits = self.approximate(flat)
         top = largest(logits, self.rescored(ranked), sorted=False)[1]
@@ -242,7 +252,8 @@ class RescoredInt8Head(torch.nn.Module):
 
 
 def head_logits(head: torch.nn.Module, x: torch.Tensor, ranked: int = 0) -> torch.Tensor:
-    """`head(x)`; a RescoredInt8Head re-scores as many candidates as `ranked` asks for."""
+    """`head(x)`; a RescoredInt8Head re-scores as many candidates as `ranked` asks for (every
+    logit with `EXACT_LOGITS`)."""
     return head(x, ranked) if isinstance(head, RescoredInt8Head) else head(x)
 
 

@@ -43,7 +43,7 @@ from server.model.packing import (
     verify_inputs,
 )
 from server.model.paged_step import PagedStep
-from server.model.quantization import head_logits
+from server.model.quantization import EXACT_LOGITS, head_logits
 from server.model.row_tables import RowTables
 from server.model.step_context import DecodeStep, StepContext
 from server.model.weights import load_serving_weights, text_config
@@ -310,10 +310,11 @@ class ModelRunner:
         packed = pack_step(plan, tables, self.block_size, self.device, kernel, self.pad_cross)
         put_deferred(packed.input_ids[0], plan, packed.row_starts)
         hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
+        exact = functools.partial(self._logits, ranked=EXACT_LOGITS)  # read as logprobs
         scores = {
             score.row: scored
             for score in plan.scores
-            if (scored := score_positions(hidden, packed, plan, score, self._logits)) is not None
+            if (scored := score_positions(hidden, packed, plan, score, exact)) is not None
         }
         if not packed.sample_rows:
             return StepOutput(hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scores)
