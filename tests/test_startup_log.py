@@ -214,3 +214,36 @@ def test_a_served_hub_model_logs_loading_then_ready_and_no_noise(
     assert "color_message" not in text and "\x1b[" not in text
     assert "GET /health" not in text and "POST /v1/completions 200" in text
     assert proc.returncode == 0
+
+
+def test_a_gguf_file_is_parsed_once_while_it_converts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers builds a GGUF reader for the config, the tokenizer and the weights; within
+    `gguf_parsed_once` they share one per file, and the reader transformers builds is that one
+    (it imports `gguf.GGUFReader` at each call). Afterwards gguf's own reader is back."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    built: list[str] = []
+
+    class Parsed(Exception):
+        pass
+
+    class CountingReader:
+        def __init__(self, path: str, mode: str = "r") -> None:
+            built.append(str(path))
+
+        @property
+        def fields(self) -> dict:
+            raise Parsed  # far enough: transformers asked this reader
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    with loader.gguf_parsed_once():
+        for path in (first, first, second):
+            with pytest.raises(Parsed):
+                load_gguf_checkpoint(str(path))
+        assert gguf.GGUFReader(str(first)) is gguf.GGUFReader(str(first))
+    assert built == [str(first), str(second)]
+    assert gguf.GGUFReader is CountingReader

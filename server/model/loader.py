@@ -9,12 +9,15 @@ files under the cache directory; every later start loads that directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from tqdm import tqdm
 
@@ -25,9 +28,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 CONVERSION_VERSION = 2  # bump when convert_gguf changes what it writes
-# The default model's GGUF (253 MB) took 67-92 s to convert on the docs' 2-core CPU (2026-11-26,
-# docs/models.md); the start-up log scales 80 s by file size to say what a first start costs.
-MEASURED_CONVERSION_S_PER_GB = 80 / 0.253
+# The default model's GGUF (253 MB): a conversion process took 25 s on the docs' 2-core AMD EPYC
+# host with the file parsed once (2026-11-29, docs/models.md; 42.6 s before, parsed three times);
+# the start-up log scales that by file size to say what a first start costs.
+MEASURED_CONVERSION_S_PER_GB = 25 / 0.253
 
 
 def default_cache_dir() -> Path:
@@ -136,7 +140,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     log.debug("converting %s into %s", gguf, target)
     tmp = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with tqdm(total=3, desc="Converting GGUF", unit="stage") as bar:
+    with tqdm(total=3, desc="Converting GGUF", unit="stage") as bar, gguf_parsed_once():
         bar.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bar.update()
@@ -165,3 +169,32 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").is_file():
             raise
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within, each GGUF file is parsed once. transformers parses a GGUF file anew for its
+    config, its tokenizer and its weights, and gguf's reader walks a 262k-token vocabulary one
+    element at a time: the default model's conversion built the reader 3 times, 25.6 of its
+    40.9 s on a 2-core AMD EPYC. The reader holds memory-mapped views of the file, not copies, so
+    one can serve every load. (transformers imports `gguf.GGUFReader` at each call: it finds this
+    one while the block runs.)"""
+    try:
+        import gguf
+    except ImportError:  # transformers says what to install when it needs it
+        yield
+        return
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: str | os.PathLike[str], mode: Literal["r", "r+", "c"] = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
