@@ -39,6 +39,7 @@ def test_start_up_converts_once_empties_the_compiled_cache_once_and_alternates_t
         (compiled, False),
     ]
     result = json.loads(out.read_text())
+    assert result["converting_start_s"] == 50.0  # the first start, which converted the model
     assert result["first_compiled_s"] == 100.0
     assert result["plain_s"] == [20.0, 21.0]
     assert result["later_compiled_s"] == [24.0, 25.0]
