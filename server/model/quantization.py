@@ -38,9 +38,8 @@ rows each read only a few likeliest tokens (greedy, beam search, small top-k: th
 `ranked`) re-scores fewer: three times that many, at least 16. Prompt scoring (prompt logprobs,
 `echo` with logprobs: what an evaluation harness reads) asks for `EXACT_LOGITS` instead: the
 floating-point head over the whole vocabulary, so that a target token outside the candidates and
-the softmax's normalizer carry no int8 error (an lm-evaluation-harness log-likelihood through the
-int8 head differed from transformers' by up to 1.28 nats; the decoder's own formats still change
-scores as they change everything).
+the softmax's normalizer carry no int8 error (the decoder's own formats still change the scores,
+as they change every hidden state: docs/guides/scoring.md).
 
 `benchmarks/accuracy.py` reports perplexity and greedy agreement of each format against fp32.
 CPU only: every kernel here is a CPU kernel.
