@@ -66,8 +66,11 @@ def perplexity(runner: ModelRunner, tokenizer, text: str) -> tuple[float, tuple[
             if isinstance(runner.lm_head, RescoredInt8Head):
                 approx = runner.lm_head.approximate(hidden.float())
                 top = approx.gather(1, logits.topk(TOP_RANKED, dim=1).indices)  # [N, 8]
-                ranks = (approx.unsqueeze(1) > top.unsqueeze(2)).sum(dim=2)
-                worst_ranks = (int(ranks[:, 0].max()), int(ranks.max()))
+                # one column at a time: [N, V] compares, not an [N, 8, V] one
+                ranks = [
+                    int((approx > top[:, j : j + 1]).sum(dim=1).max()) for j in range(TOP_RANKED)
+                ]
+                worst_ranks = (ranks[0], max(ranks))
             if runner.final_softcap is not None:
                 logits = torch.tanh(logits / runner.final_softcap) * runner.final_softcap
     finally:
