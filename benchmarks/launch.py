@@ -66,6 +66,24 @@ def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None 
             time.sleep(0.5)
 
 
+def wait_compiled(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> float:
+    """Poll GET /v1/engine/stats while its `decode_step` says "compiling" (a server answers with
+    the eager step until the compiled one takes over: a benchmark measures the latter); return
+    the seconds it took. A server that does not say (another version, a key needed) is not
+    waited for."""
+    start = time.monotonic()
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise LaunchError(f"server exited with code {proc.returncode} while compiling")
+            response = client.get(base_url + "/v1/engine/stats")
+            if response.status_code != 200 or response.json().get("decode_step") != "compiling":
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise LaunchError(f"{base_url}: still compiling after {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+
 def first_model_id(base_url: str, api_key: str | None = None) -> str:
     """The first id of GET /v1/models: what to put in the `model` field by default."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -123,11 +141,14 @@ def start_beamline(
     extra_args: Sequence[str] = (),
     timeout_s: float = 600.0,
     own_session: bool = False,
+    compiled: bool = True,
 ) -> tuple[subprocess.Popen, str, float]:
     """Start `beamline serve` on a free loopback port, output to `log_path`, and wait for its
     /health: (process, base URL, seconds to healthy). A start that fails is stopped and raises
     LaunchError with the log's last lines. `own_session`: the server leads a process group of its
-    own (what it starts, ranks or an engine process, can be stopped with it)."""
+    own (what it starts, ranks or an engine process, can be stopped with it). `compiled`: return
+    once the compiled decode step, if any, is in use (a server compiling beside serving
+    answers with the eager step until then)."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd = beamline_command(port, model, extra_args)
@@ -146,6 +167,8 @@ def start_beamline(
         )
     try:
         ready = wait_healthy(base_url, timeout_s, proc)
+        if compiled:
+            wait_compiled(base_url, timeout_s, proc)
     except LaunchError as exc:
         stop(proc)
         raise LaunchError(f"{exc}\n--- last lines of {log_path} ---\n{_tail(log_path)}") from None
@@ -154,10 +177,17 @@ def start_beamline(
 
 @contextmanager
 def launched_beamline(
-    model: str | None, log_path: Path, extra_args: Sequence[str] = (), timeout_s: float = 600.0
+    model: str | None,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 600.0,
+    compiled: bool = True,
 ) -> Iterator[tuple[str, float]]:
-    """Yield (base_url, seconds to healthy) of a fresh beamline server; output to `log_path`."""
-    proc, base_url, ready = start_beamline(model, log_path, extra_args, timeout_s)
+    """Yield (base_url, seconds to healthy) of a fresh beamline server; output to `log_path`.
+    `compiled`: as start_beamline's."""
+    proc, base_url, ready = start_beamline(
+        model, log_path, extra_args, timeout_s, compiled=compiled
+    )
     try:
         yield base_url, ready
     finally:

@@ -87,6 +87,12 @@ class ServerConfig(LoRASettings, ParallelSettings):
         "chose w8a8 (the CPU default) and a C++ compiler is on PATH, else off (and always off "
         "for an encoder-decoder model unless set)",
     )
+    compile_while_serving: bool = Field(
+        True,
+        description="with torch_compile on the CPU (not under tensor parallelism): answer at once "
+        "with the eager decode step while a process compiles it (or a thread reads it from the "
+        "cache), then switch between two steps; off: compile or load it before /health is 200",
+    )
     cuda_graphs: bool = Field(
         True,
         description="on CUDA with the triton attention backend: decode steps replay CUDA graphs "

@@ -55,6 +55,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "linear_layout",
         "attention_backend",
         "torch_compile",
+        "compile_while_serving",
         "cuda_graphs",
         "overlap_outputs",
         "async_scheduling",

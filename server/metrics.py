@@ -87,6 +87,11 @@ class Metrics:
             registry=self.registry,
         )
         self._batch_size = gauge("batch_size", "Sequences in the last engine step.")
+        self._compiled_step = gauge(
+            "decode_step_compiled",
+            "1 while decode steps run the compiled step; 0: eager (not compiled, or compiling "
+            "beside serving).",
+        )
         self._preemptions = counter("num_preemptions", "Sequences preempted.").labels(*m)
         self._iteration_tokens = histogram(
             "iteration_tokens", "Tokens processed per engine step.", TOKEN_BUCKETS
@@ -161,6 +166,9 @@ class Metrics:
         self._running.set(running)
         self._waiting.set(waiting)
         self._kv_usage.set(kv_cache_usage)
+
+    def set_decode_step_compiled(self, compiled: bool) -> None:
+        self._compiled_step.set(int(compiled))
 
     def set_cache_config(self, *, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
         """The KV pool's shape, as `vllm:cache_config_info` labels (`num_gpu_blocks` is the pool

@@ -3,6 +3,7 @@ engine's process) and each tensor-parallel follower's (server/parallel/workers.p
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from server.config import ServerConfig
 from server.host_memory import keep_freed_memory
 from server.model.architecture import is_seq2seq
+from server.model.background_compile import BackgroundCompile
 from server.model.devices import (
     compiler_available,
     pick_dtype,
@@ -27,6 +29,7 @@ from server.model.weights import text_config
 from server.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
+SPARE_BLOCKS = 4  # the compile process's KV pool: its example steps use one block
 
 
 def build_runner(
@@ -80,6 +83,10 @@ def build_runner(
         log.info("CPU default: %s", cpu_default_summary(quantization, compile_decode, device))
     if compile_decode:  # inductor's kernels too, unless its cache is set elsewhere
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
+    beside_serving = None  # compiled while serving: a process of its own builds this runner
+    if compile_decode and config.compile_while_serving and device.type == "cpu" and tp is None:
+        spec = compile_spec(config, model_dir, torch.get_num_threads())
+        beside_serving = BackgroundCompile(spec)
     return ModelRunner(
         model_dir,
         **pool,
@@ -92,6 +99,17 @@ def build_runner(
         max_loras=config.max_loras if config.lora_enabled else 0,
         max_lora_rank=config.max_lora_rank,
         tp=tp,
+        compile_while_serving=beside_serving,
+    )
+
+
+def compile_spec(config: ServerConfig, model_dir: Path, threads: int) -> str:
+    """What the compile process (compile_worker.py) reads: this runner's `config` on a KV pool of
+    a few blocks."""
+    pool = {"num_kv_blocks": SPARE_BLOCKS, "max_model_len": SPARE_BLOCKS * config.block_size}
+    worker = config.model_copy(update={**pool, "compile_while_serving": False})
+    return json.dumps(
+        {"config": worker.model_dump(mode="json"), "model_dir": str(model_dir), "threads": threads}
     )
 
 

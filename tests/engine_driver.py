@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from decoding import DecodingParams
 from server.engine.engine import Engine
@@ -99,3 +101,15 @@ def generate(engine: Engine, prompts: list[list[int]], params: DecodingParams) -
     results = [submit(engine, str(i), p, params) for i, p in enumerate(prompts)]
     run_to_completion(engine)
     return results
+
+
+class Counted:
+    """Stands in for `fn` (a runner's decode step) and counts the calls it passes on."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.fn(*args, **kwargs)

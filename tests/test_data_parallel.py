@@ -87,6 +87,19 @@ def test_stats_of_the_copies_add_up() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("states", "merged"),
+    [
+        (["compiled", "compiled"], "compiled"),
+        (["compiled", "compiling"], "compiling"),  # a benchmark waits until no copy compiles
+        (["compiling", "eager"], "compiling"),
+        (["eager", "compiled"], "mixed"),  # one copy's compile failed: its log says why
+    ],
+)
+def test_the_copies_decode_steps_are_one_state(states: list[str], merged: str) -> None:
+    assert merged_stats([{"decode_step": state} for state in states])["decode_step"] == merged
+
+
 def gauge(text: str, name: str) -> float:
     line = next(x for x in text.splitlines() if x.startswith(name + "{"))
     return float(line.rsplit(" ", 1)[1])

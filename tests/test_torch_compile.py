@@ -22,11 +22,12 @@ from decoding import DecodingParams
 from server.config import ServerConfig, load_config
 from server.engine.engine import Engine
 from server.loading import load_engine
-from server.model.compiled_decode import CompiledDecode, cache_key, model_identity
+from server.model.compile_cache import cache_key, model_identity
+from server.model.compiled_decode import CompiledDecode
 from server.model.runner import ModelRunner
 from server.model.step_context import DecodeStep
 from tests.conftest import make_engine
-from tests.engine_driver import generate
+from tests.engine_driver import Counted, generate
 from tests.test_engine_correctness import PROMPTS, hf_greedy
 from tests.tiny_models import build_tiny_model
 
@@ -91,15 +92,8 @@ def test_compiled_decode_gives_hf_greedy_tokens_and_never_recompiles_after_warm_
     model_dir = tiny_model_dirs["gemma3"]
     expected = [hf_greedy(model_dir, p, 20) for p in PROMPTS]
     engine = first_start
-    calls = 0
-    run_decode = engine.runner._run_decode
-
-    def counted(*args: object) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        return run_decode(*args)
-
-    monkeypatch.setattr(engine.runner, "_run_decode", counted)
+    counted = Counted(engine.runner.decode_step.run)
+    monkeypatch.setattr(engine.runner.decode_step, "run", counted)
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
     params = DecodingParams(max_tokens=20, temperature=0)
     with torch._dynamo.config.patch(error_on_recompile=True):  # 1 row, then 2..8 rows, any width
@@ -107,7 +101,7 @@ def test_compiled_decode_gives_hf_greedy_tokens_and_never_recompiles_after_warm_
         together = [r.token_ids for r in generate(engine, prompts, params)]
     assert alone == expected[0]
     assert together == expected
-    assert calls >= 30  # the decode steps went through the compiled function
+    assert counted.calls >= 30  # the decode steps went through the compiled function
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
@@ -317,7 +311,7 @@ def test_a_start_waits_while_another_process_compiles_the_same_entry(
     entry.parent.mkdir(parents=True)
     with (tmp_path / "compiled" / "0123456789abcdef.lock").open("a") as other:
         fcntl.flock(other, fcntl.LOCK_EX)
-        with caplog.at_level(logging.INFO, logger="server.model.compiled_decode"):
+        with caplog.at_level(logging.INFO, logger="server.model.compile_cache"):
             waiting = threading.Thread(target=step.prepare, args=(None,))
             waiting.start()
             assert not prepared.wait(0.5)  # blocked behind the other holder

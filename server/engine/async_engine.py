@@ -113,7 +113,7 @@ class AsyncEngine:
     def kv_capacity(self) -> KVCapacity:
         return KVCapacity(self.engine.pool.num_blocks, self.engine.pool.block_size)
 
-    def stats(self) -> dict[str, int | float | bool]:
+    def stats(self) -> dict[str, int | float | bool | str]:
         """Counters of the engine since start-up (for GET /v1/engine/stats); a racy but consistent
         enough read from another thread: each value is one int read."""
         return self.engine.stats_snapshot()

@@ -64,7 +64,7 @@ class EngineClient(Protocol):
     @property
     def kv_capacity(self) -> KVCapacity: ...
 
-    def stats(self) -> dict[str, int | float | bool]:
+    def stats(self) -> dict[str, int | float | bool | str]:
         """The engine's counters since start-up (GET /v1/engine/stats)."""
         ...
 

@@ -110,7 +110,8 @@ class Engine:
 
     def use_metrics(self, metrics: Metrics) -> None:
         """Record into `metrics` from now on (and publish the KV pool's shape there)."""
-        self.recorder.use_metrics(metrics, prefix_caching=self.prefix_cache is not None)
+        compiled = self.runner.decode_step.state == "compiled"
+        self.recorder.use_metrics(metrics, self.prefix_cache is not None, compiled)
 
     @property
     def stats(self) -> EngineStats:
@@ -155,9 +156,9 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def stats_snapshot(self) -> dict[str, int | float | bool]:
-        caching = self.prefix_cache is not None
-        return self.recorder.snapshot(self.num_running, self.num_waiting, prefix_caching=caching)
+    def stats_snapshot(self) -> dict[str, int | float | bool | str]:
+        caching, step = self.prefix_cache is not None, self.runner.decode_step.state
+        return self.recorder.snapshot(self.num_running, self.num_waiting, caching, step)
 
     # ---- admission and abort --------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -190,6 +191,8 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one engine iteration; False when there was nothing to do."""
+        if self.runner.decode_step.between_steps():  # compiled beside serving: from this step
+            self.recorder.compiled_step_in_use()
         try:
             return self.recorder.timed(self._step)
         finally:

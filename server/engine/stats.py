@@ -16,7 +16,7 @@ from server.engine.request import EngineRequest
 from server.engine.work import WorkItem
 from server.metrics import FINISHED_REASONS, Metrics
 
-Number = int | float | bool
+Number = int | float | bool | str  # str: the decode step's state
 log = logging.getLogger("server.engine.engine")  # request-end logs keep their historical logger
 
 
@@ -50,17 +50,27 @@ class StatsRecorder:
         self.metrics = metrics
         self.stats = EngineStats()
 
-    def use_metrics(self, metrics: Metrics, *, prefix_caching: bool) -> None:
-        """Record into `metrics` from now on, and publish the KV pool's shape there."""
+    def use_metrics(self, metrics: Metrics, prefix_caching: bool, compiled: bool) -> None:
+        """Record into `metrics` from now on, and publish the KV pool's shape there and whether
+        the decode step runs compiled."""
         self.metrics = metrics
         metrics.set_cache_config(
             block_size=self.pool.block_size,
             num_blocks=self.pool.num_blocks,
             prefix_caching=prefix_caching,
         )
+        metrics.set_decode_step_compiled(compiled)
 
-    def snapshot(self, running: int, waiting: int, *, prefix_caching: bool) -> dict[str, Number]:
-        """Every counter, for GET /v1/engine/stats."""
+    def compiled_step_in_use(self) -> None:
+        """The decode step compiled beside serving runs from this step on."""
+        if self.metrics is not None:
+            self.metrics.set_decode_step_compiled(True)
+
+    def snapshot(
+        self, running: int, waiting: int, prefix_caching: bool, decode_step: str
+    ) -> dict[str, Number]:
+        """Every counter, for GET /v1/engine/stats, and what decode steps run (decode_step.py:
+        eager, compiling or compiled)."""
         s, pool = self.stats, self.pool
         return {
             "num_requests_running": running,
@@ -84,6 +94,7 @@ class StatsRecorder:
             "spec_decode_num_drafts": s.spec_drafts,
             "spec_decode_num_draft_tokens": s.spec_draft_tokens,
             "spec_decode_num_accepted_tokens": s.spec_accepted_tokens,
+            "decode_step": decode_step,
         }
 
     def schedule(self, preempted: int, cache_queries: int, cache_hits: int) -> None:

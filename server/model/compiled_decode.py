@@ -16,16 +16,10 @@ the plain way (nothing cached).
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import importlib.metadata
 import inspect
-import json
 import logging
-import os
-import platform
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +27,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from server.model.compile_cache import cache_key, entry_lock, key_text, model_identity, partial_path
 from server.model.paged_step import PagedStep
 from server.model.step_context import DecodeStep, StepContext
 
@@ -65,59 +60,6 @@ def decode_forward(
         use_cache=False,
         beamline_ctx=ctx,
     ).last_hidden_state[0]
-
-
-def cache_key(identity: dict[str, str]) -> str:
-    """A digest of everything the compiled graphs depend on: the caller's `identity` (model,
-    number formats, layouts), the software that traced and built them, beamline's model code (its
-    LoRA and tensor-parallel layers too: the guards do not check source) and the CPU's
-    instruction set (inductor's kernels are built for it)."""
-    return hashlib.sha256(key_text(identity).encode()).hexdigest()[:16]
-
-
-def key_text(identity: dict[str, str]) -> str:
-    """What `cache_key` digests, one `name=value` line each (kept beside the graphs, so that an
-    entry says what it was compiled for)."""
-    parts = dict(identity)
-    parts["python"] = platform.python_version()
-    parts["torch"] = torch.__version__
-    parts["transformers"] = importlib.metadata.version("transformers")
-    parts["cpu"] = f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
-    # the graphs' guards check torch's thread count: a start with other `--num-threads` keeps an
-    # entry of its own rather than failing the guards and overwriting this one
-    parts["torch_threads"] = str(torch.get_num_threads())
-    code = hashlib.sha256()
-    server = Path(__file__).parent.parent  # the model side and the TP layers the graphs trace
-    for path in sorted([*server.joinpath("model").rglob("*.py"), *server.glob("parallel/*.py")]):
-        code.update(path.read_bytes())
-    parts["beamline_model_code"] = code.hexdigest()
-    return "\n".join(f"{k}={v}" for k, v in sorted(parts.items())) + "\n"
-
-
-def model_identity(model_dir: Path) -> str:
-    """The model as the compiled graphs see it: its config and its weights' names, number formats
-    and shapes (a safetensors file's header; a name and size for other formats), not where it
-    lies nor the weights' values, which the graphs take as inputs. A copy of the model in another
-    folder, or a fine-tune of the same architecture, loads the same entry."""
-    digest = hashlib.sha256()
-    for path in sorted(model_dir.iterdir()):
-        if path.name == "config.json":
-            digest.update(path.read_bytes())
-        elif path.suffix == ".safetensors":
-            digest.update(path.name.encode() + _safetensors_layout(path))
-        elif path.suffix in (".bin", ".gguf"):
-            digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    return digest.hexdigest()
-
-
-def _safetensors_layout(path: Path) -> bytes:
-    """A safetensors file's header (each tensor's name, dtype, shape and offsets) without its free
-    `__metadata__`: the first 8 bytes are the header's length."""
-    with path.open("rb") as file:
-        size = int.from_bytes(file.read(8), "little")
-        header = json.loads(file.read(size))
-    header.pop("__metadata__", None)
-    return json.dumps(header, sort_keys=True).encode()
 
 
 def _saveable_guards(entries: Sequence[Any]) -> list[bool]:
@@ -177,30 +119,6 @@ def dynamic_tensors(ctx: DecodeStep) -> list[tuple[torch.Tensor, int]]:
     return [(tensor, dim) for tensor, dim in marked if tensor.shape[dim] > 1]  # 1: one row
 
 
-def _partial(path: Path) -> Path:
-    """Where this process writes `path` before renaming it into place."""
-    return path.with_name(f"{path.name}.{os.getpid()}.partial")
-
-
-@contextlib.contextmanager
-def entry_lock(directory: Path) -> Iterator[None]:
-    """Hold an exclusive lock on a cache entry (a file beside it); the OS releases it if the
-    holder dies. A cache that cannot be written takes no lock: nothing is saved there anyway."""
-    try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        file = directory.with_name(directory.name + ".lock").open("a")
-    except OSError:
-        yield
-        return
-    with file:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("another process is compiling %s: waiting to load its graphs", directory)
-            fcntl.flock(file, fcntl.LOCK_EX)
-        yield
-
-
 class CompiledDecode:
     """`decode_forward` of one decoder, compiled: call `prepare` once, then call it per step."""
 
@@ -230,12 +148,10 @@ class CompiledDecode:
             return self._prepare(example)
 
     def _prepare(self, example: ExampleInputs) -> Source:
-        if self.directory is not None and (graphs := self._load()) is not None:
-            misfits = [_misfit(g, self.decoder, example(r)) for g, r in zip(graphs, GRAPH_ROWS)]
-            if not any(misfits):
-                self._use(graphs, "loaded")
+        if self.directory is not None and (graphs := self.read_cached()) is not None:
+            why = self.adopt(graphs, example)
+            if why is None:
                 return "loaded"
-            why = "; ".join(m for m in misfits if m)
             log.warning(
                 "compiled decode step in %s does not fit (%s): compiling", self.directory, why
             )
@@ -260,6 +176,15 @@ class CompiledDecode:
         if self.directory is not None:
             self._save()
         return "compiled"
+
+    def adopt(self, graphs: list[Any], example: ExampleInputs) -> str | None:
+        """Use `graphs` (read_cached's) from now on if their guards accept `example`'s steps;
+        else why not (nothing changes)."""
+        misfits = [_misfit(g, self.decoder, example(r)) for g, r in zip(graphs, GRAPH_ROWS)]
+        if any(misfits):
+            return "; ".join(m for m in misfits if m)
+        self._use(graphs, "loaded")
+        return None
 
     def _use(self, graphs: list[Any], source: Source) -> None:
         for graph in graphs:  # checked once per call in __call__, not twice
@@ -310,7 +235,16 @@ class CompiledDecode:
         assert self.directory is not None
         return [self.directory / f"decode-{rows}.bin" for rows in GRAPH_ROWS]
 
-    def _load(self) -> list[Any] | None:
+    @property
+    def cached(self) -> bool:
+        """Whether the cache entry holds every graph (it may still not fit: `adopt` says)."""
+        return self.directory is not None and all(p.is_file() for p in self._paths())
+
+    def read_cached(self) -> list[Any] | None:
+        """The entry's graphs, read from disk (None: absent or unreadable). Touches nothing of
+        the decoder's: another thread may run it meanwhile."""
+        if self.directory is None:
+            return None
         paths = self._paths()
         if not all(p.is_file() for p in paths):
             return None
@@ -337,13 +271,13 @@ class CompiledDecode:
             # each file written aside and renamed into place: a process loading the entry at the
             # same time (a second server, a test worker) never reads half a graph
             for graph, path in zip(self.graphs, self._paths(), strict=True):
-                graph.save_compiled_function(str(_partial(path)))
-                _partial(path).replace(path)
+                graph.save_compiled_function(str(partial_path(path)))
+                partial_path(path).replace(path)
             (self.directory / "identity.txt").write_text(self.about)
         except Exception as error:  # a read-only cache, a graph this torch cannot serialise
             # (torch 2.11's own errors are not OSErrors): serve anyway, compile again next time
             log.warning("compiled decode step not saved to %s: %s", self.directory, error)
             for path in self._paths():  # no half-written entry for the next start to trip on
-                for leftover in (path, _partial(path)):
+                for leftover in (path, partial_path(path)):
                     with contextlib.suppress(OSError):
                         leftover.unlink(missing_ok=True)

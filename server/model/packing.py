@@ -75,12 +75,12 @@ def scratch_plan(num_new: int, block_size: int) -> StepPlan:
 
 
 def scratch_decode(
-    rows: int, block_size: int, device: torch.device
+    rows: int, block_size: int, device: torch.device, block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
-    """Inputs of a decode step of `rows` rows on the slots of block 0 (before serving: no
-    sequence owns it yet)."""
+    """Inputs of a decode step of `rows` rows on the slots of `block` (one no sequence owns:
+    the pool's spare block, or any before serving)."""
     positions = list(range(1, rows + 1))
-    ctx = DecodeStep.build([[0]] * rows, [p + 1 for p in positions], block_size, device)
+    ctx = DecodeStep.build([[block]] * rows, [p + 1 for p in positions], block_size, device)
     input_ids = torch.zeros((1, rows), dtype=torch.long, device=device)
     return input_ids, to_device(positions, device, torch.long).unsqueeze(0), ctx
 

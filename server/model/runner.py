@@ -21,9 +21,11 @@ from transformers import PreTrainedTokenizerBase
 
 from decoding.transfer import to_device
 from server.model.attention import ATTENTION_NAME
+from server.model.background_compile import BackgroundCompile
 from server.model.compiled_decode import decode_forward
 from server.model.compiled_steps import CompiledSteps
 from server.model.cuda_graphs import DecodeGraphs
+from server.model.decode_step import DecodeStepInUse
 from server.model.devices import check_runner_options, pick_attention_backend
 from server.model.kv_budget import (
     KVBudget,
@@ -91,6 +93,7 @@ class ModelRunner:
         max_loras: int = 0,
         max_lora_rank: int = 16,
         tp: TPGroup | None = None,
+        compile_while_serving: BackgroundCompile | None = None,
     ) -> None:
         check_runner_options(compile_decode, quantization, device)  # before minutes of loading
         if tp and cuda_graphs:  # NCCL inside a graph capture is not verified on a GPU yet
@@ -142,7 +145,9 @@ class ModelRunner:
         if tp is not None:  # every rank sized its own pool: the block tables fit the smallest
             self.num_blocks = tp.min_int(self.num_blocks)
         graphs = self.cuda_graphs
-        self.kv_cache = self.kv_layout.allocate(self.num_blocks + int(graphs), device)
+        # a spare block no sequence owns: CUDA graphs' padding rows, compiled steps' examples
+        spare = int(graphs or compile_decode)
+        self.kv_cache = self.kv_layout.allocate(self.num_blocks + spare, device)
         self.rows = RowTables()  # each row's block table, kept between plans
         self.attention.bind(self.model, self.kv_cache)
         max_len = self.kv_budget.max_model_len or self.max_position_embeddings
@@ -168,12 +173,6 @@ class ModelRunner:
             self.num_blocks * self.kv_layout.bytes_per_block / 2**20,
             self.attention_backend,
         )
-        # Decode-only steps (every sequence adds one token) may run through torch.compile (on
-        # the gather path): it fuses the element-wise glue between the matmuls and drops most of
-        # the per-op dispatch cost, about half of a one-row step on the CPU. Shapes are dynamic
-        # (rows, context width), so one graph serves every batch size >= 2 and one a single row;
-        # both are kept under `compile_cache` for the next start (compiled_decode.py). With LoRA
-        # slots an adapter step's graphs too, the deltas inside them (compiled_steps.py).
         self.compile_decode = compile_decode
         self.pad_cross = False  # an encoder-decoder runner's compiled step pads (packing.py)
         self.compiled_decode: CompiledSteps | None = None
@@ -192,7 +191,9 @@ class ModelRunner:
                 # each rank's shard is its own graph: its vocabulary range is a constant in it
                 tensor_parallel=f"rank {tp.rank} of {tp.size}" if tp else "none",
             )
-        self._run_decode = self.compiled_decode or self._run_decoder
+        self.decode_step = DecodeStepInUse(  # decode_step.py: eager, or compiled
+            self._run_decoder, self.compiled_decode, self._example_decode, compile_while_serving
+        )
         # the plans, to the other ranks (installs name the projections in this order)
         self.tp_steps = StepBroadcast.of_driver(tp, list(self.lora.targets) if self.lora else [])
 
@@ -241,11 +242,11 @@ class ModelRunner:
                 self._standalone(scratch_plan(num_new, self.block_size))
         if self.graphs is not None:
             self.graphs.capture()
-        if self.compiled_decode is not None:
-            self.compiled_decode.warm_up(self._example_decode)
+        self.decode_step.warm_up()
 
     def _example_decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
-        input_ids, position_ids, ctx = scratch_decode(rows, self.block_size, self.device)
+        block = self.num_blocks  # the spare one
+        input_ids, position_ids, ctx = scratch_decode(rows, self.block_size, self.device, block)
         ctx.kv = self.kv_cache
         return input_ids, position_ids, ctx
 
@@ -265,7 +266,7 @@ class ModelRunner:
         edit_tokens(input_ids[0])
         position_ids = to_device(positions, self.device, torch.long).unsqueeze(0)
         ctx.kv = self.kv_cache  # the compiled step takes the pools as an input
-        return self._logits(self._run_decode(input_ids, position_ids, ctx), ranked)
+        return self._logits(self.decode_step(input_ids, position_ids, ctx), ranked)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -97,7 +97,7 @@ class EngineProcessClient:
         self._adapter_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
         self._call_ids = itertools.count()
         self._ready: Ready | None = None
-        self._stats: dict[str, int | float | bool] = {}
+        self._stats: dict[str, int | float | bool | str] = {}
         self.error: str | None = None
         self._closing = False
 
@@ -157,7 +157,7 @@ class EngineProcessClient:
     def pid(self) -> int | None:
         return self._process.pid
 
-    def stats(self) -> dict[str, int | float | bool]:
+    def stats(self) -> dict[str, int | float | bool | str]:
         """The counters as of the engine's last step that sent anything (they travel with its
         outputs, so never behind what clients were sent)."""
         return dict(self._stats)

@@ -67,7 +67,7 @@ class Ready:
     num_blocks: int
     block_size: int
     vocab_size: int
-    stats: dict[str, int | float | bool]
+    stats: dict[str, int | float | bool | str]
     metric_events: list[MetricEvent] = field(default_factory=list)
 
 
@@ -80,7 +80,7 @@ class StartupFailed:
 class Outputs:
     outputs: list[RequestOutput]
     metric_events: list[MetricEvent]
-    stats: dict[str, int | float | bool]
+    stats: dict[str, int | float | bool | str]
     adapter_replies: list[AdapterLoaded] = field(default_factory=list)
 
 

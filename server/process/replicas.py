@@ -26,7 +26,7 @@ from server.model.kv_budget import CPU_AUTO_KV_BYTES
 from server.process.client import EngineProcessClient
 from server.process.messages import Ready
 
-Number = int | float | bool
+Number = int | float | bool | str
 
 
 def replica_config(config: ServerConfig) -> ServerConfig:
@@ -42,11 +42,14 @@ def replica_config(config: ServerConfig) -> ServerConfig:
 def merged_stats(snapshots: list[dict[str, Number]]) -> dict[str, Number]:
     """The copies' counters as one engine's: sums, the largest of `max_*` and of `peak_*`
     values, flags as the first copy has them, the prefix cache's hit rate of the summed
-    counts."""
-    merged: dict[str, Number] = {}
+    counts, the decode step's state as `merged_state` says."""
+    merged: dict[str, int | float | bool] = {}
+    states: dict[str, str] = {}
     for snapshot in snapshots:
         for key, value in snapshot.items():
-            if key not in merged or isinstance(value, bool):
+            if isinstance(value, str):
+                states[key] = merged_state(states[key], value) if key in states else value
+            elif key not in merged or isinstance(value, bool):
                 merged.setdefault(key, value)
             elif key.startswith(("max_", "peak_")):
                 merged[key] = max(merged[key], value)
@@ -56,7 +59,14 @@ def merged_stats(snapshots: list[dict[str, Number]]) -> dict[str, Number]:
         hits, queries = merged.get("prefix_cache_hits", 0), merged.get("prefix_cache_queries", 0)
         merged["prefix_cache_hit_rate"] = hits / max(1, queries)
     merged["data_parallel_size"] = len(snapshots)
-    return merged
+    return {**merged, **states}
+
+
+def merged_state(kept: str, other: str) -> str:
+    """The copies' decode step: compiling while one of them is, else theirs if they agree."""
+    if "compiling" in (kept, other):
+        return "compiling"
+    return kept if kept == other else "mixed"
 
 
 class SummedGauges:

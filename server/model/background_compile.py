@@ -1,0 +1,118 @@
+"""The decode step compiled while the server already answers.
+
+At a first start, compiling the decode step takes minutes on a small CPU; at a later one, reading
+it from the compile cache takes seconds. Neither has to hold back the first answer: the runner
+serves with the eager step (the same function, uncompiled) while
+
+- a process of its own (`python -m server.compile_worker`: niced, inductor on one thread) builds
+  the same runner on a tiny KV pool and compiles the step into the compile cache, unless the
+  cache holds it already; a process, not a thread, because dynamo's tracing is Python that would
+  take the GIL from the engine's thread between every two of its ops;
+- a thread of this process then reads the graphs from the cache (unpickling, off the engine's
+  thread: it touches nothing the steps use);
+- the runner adopts them between two steps, in the thread that steps (`ModelRunner.
+  between_steps`): their guards checked and each graph run once on the pool's spare block, which
+  no sequence owns. A request in flight goes on with the compiled step from its next token.
+
+Should the compile fail, the server keeps serving eagerly and says why in the log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from server.model.compiled_decode import ExampleInputs
+from server.model.compiled_steps import CompiledSteps
+
+log = logging.getLogger(__name__)
+WORKER = "server.compile_worker"  # the module run as the compile process
+
+
+class BackgroundCompile:
+    """One runner's decode step, compiled or loaded beside serving: `start` it once, then ask
+    `done` between steps and `adopt` it when it is."""
+
+    def __init__(self, worker_spec: str) -> None:
+        self.worker_spec = worker_spec  # the compile process's input (compile_worker.py)
+        self.failure: str | None = None  # why no compiled step can be adopted
+        self._graphs: list[list[Any]] | None = None
+        self._done = threading.Event()
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self, steps: CompiledSteps) -> None:
+        atexit.register(self.stop)  # a server that ends stops its compile too
+        name = "beamline-compile"
+        threading.Thread(target=self._run, args=(steps,), name=name, daemon=True).start()
+
+    @property
+    def done(self) -> bool:
+        """Whether `adopt` has something to say: graphs to use, or a failure."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done (tests, and servers told to wait for the compiled step)."""
+        return self._done.wait(timeout)
+
+    def adopt(self, steps: CompiledSteps, example: ExampleInputs) -> bool:
+        """In the thread that steps, once done: use the graphs from now on (True), or log why
+        not and keep the eager step (False)."""
+        why = self.failure
+        if why is None:
+            assert self._graphs is not None
+            why = steps.adopt(self._graphs, example)
+        if why is not None:
+            log.warning("the decode step stays eager: %s", why)
+            return False
+        log.info("compiled decode step in use from this step on")
+        return True
+
+    def stop(self) -> None:
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.terminate()
+
+    def _run(self, steps: CompiledSteps) -> None:
+        try:
+            if not steps.cached:
+                self._compile_elsewhere()
+            if self.failure is None:
+                started = time.monotonic()
+                # in the grad mode steps run in: the guards built here record it
+                with torch.inference_mode():
+                    self._graphs = steps.read_cached()
+                if self._graphs is None:
+                    self.failure = f"no compiled step could be read from {steps.base.directory}"
+                else:
+                    took = time.monotonic() - started
+                    log.info("compiled decode step read from the cache in %.1f s", took)
+        except Exception as error:  # anything: the server serves on, eagerly
+            self.failure = f"{type(error).__name__}: {error}"
+        finally:
+            self._done.set()
+
+    def _compile_elsewhere(self) -> None:
+        log.info(
+            "compiling the decode step in a background process (about 1.5 min on 2 CPU cores, "
+            "later starts load it); serving with the eager step meanwhile"
+        )
+        started = time.monotonic()
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", WORKER], stdin=subprocess.PIPE, text=True, env=env
+        )
+        self.process.communicate(self.worker_spec)
+        code = self.process.returncode
+        if code != 0:
+            self.failure = f"the compile process ended with exit code {code} (its log is above)"
+            return
+        took = time.monotonic() - started
+        log.info("decode step compiled by a background process in %.0f s", took)
