@@ -141,11 +141,19 @@ class GrammarCompiler:
         eos = sorted(eos_ids)
         self.vocab_size = vocab_size
         self.limits = limits or llguidance.LLParserLimits(verbose_errors=False)
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer,  # type: ignore[arg-type]  # a fast tokenizer; llguidance checks
-            n_vocab=vocab_size,
-            eos_token=eos or None,
-        )
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.padding is None and backend.truncation is None:
+            # what llguidance.hf.from_tokenizer does, without its copy of the tokenizer (to clear
+            # padding and truncation, unset here): a second of pickling for a 262k vocabulary
+            self.ll_tokenizer = llguidance.LLTokenizer(
+                backend.to_str(), n_vocab=vocab_size, eos_token=eos or tokenizer.eos_token_id
+            )
+        else:
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer,  # type: ignore[arg-type]  # a fast tokenizer; llguidance checks
+                n_vocab=vocab_size,
+                eos_token=eos or None,
+            )
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """Compile `spec`, and compute its first mask (which builds the lexer) so that a grammar

@@ -5,6 +5,7 @@ or in a process of its own), the tokenizer the front end uses, metrics, grammars
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,12 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         ) from exc
 
 
+def prepare_grammars(ctx: ServingContext) -> None:
+    started = time.monotonic()
+    if ctx.grammars.prepare():
+        log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)
+
+
 def _build_serving_context(config: ServerConfig) -> ServingContext:
     started_at = time.monotonic()
     device = pick_device(config.device)
@@ -157,9 +164,11 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
             "does not yet for encoder-decoder models: set the decoding fields in requests",
             listed,
         )
-    started = time.monotonic()
-    if ctx.grammars.prepare():  # structured outputs' first request must not wait for this
-        log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)
+    # the grammar engine's view of the tokenizer (seconds for a large vocabulary), built while
+    # serving: a structured request that comes first waits for it
+    grammars = threading.Thread(target=prepare_grammars, args=(ctx,), name="beamline-grammar")
+    grammars.daemon = True
+    grammars.start()
     log.info(
         "ready: serving %s on http://%s:%d, loaded in %.0f s from %s (max_model_len %s)",
         name,

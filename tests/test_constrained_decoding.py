@@ -443,3 +443,26 @@ def test_preempted_constrained_rows_resume_where_they_were(
     run_to_completion(tight)
     assert tight.stats.preemptions > 0
     assert [g.choices() for g in got] == [e.choices() for e in expected]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_grammar_tokenizer_is_llguidances_own_view_of_the_tokenizer(
+    llama_dir: Path, padded: bool
+) -> None:
+    """GrammarCompiler reads the tokenizer without llguidance's copy when no padding or
+    truncation is set (the copy only clears them): the same tokens, EOS and masks either way."""
+    import llguidance.hf
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    if padded:  # llguidance's own path, which clears them on a copy
+        tokenizer.backend_tokenizer.enable_padding(length=16)
+    ours = GrammarCompiler(tokenizer, len(tokenizer), EOS_IDS).ll_tokenizer
+    theirs = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[EOS])
+    for text in ("Hello world! How are you", " leading space", '\n\t{"a": [1, 2]}', "日本"):
+        assert ours.tokenize_str(text) == theirs.tokenize_str(text)
+    assert ours.eos_tokens == theirs.eos_tokens == [EOS]
+    assert ours.vocab_size == theirs.vocab_size
+    assert [ours.decode_bytes([i]) for i in range(len(tokenizer))] == [
+        theirs.decode_bytes([i]) for i in range(len(tokenizer))
+    ]
+    assert (tokenizer.backend_tokenizer.padding is not None) == padded  # ours left it alone
