@@ -138,7 +138,7 @@ def counted_compiled_steps(loaded: LoadedEngine, calls: list[int]) -> None:
     compiled = loaded.runner.compiled_decode
     if compiled is None:
         return
-    run = loaded.runner._run_decode
+    run = loaded.runner.decode_step.run
 
     def counted(*args: object) -> object:
         before = compiled.fallbacks
@@ -146,7 +146,7 @@ def counted_compiled_steps(loaded: LoadedEngine, calls: list[int]) -> None:
         calls.append(int(compiled.fallbacks == before))
         return out
 
-    loaded.runner._run_decode = counted  # type: ignore[assignment]
+    loaded.runner.decode_step.run = counted  # type: ignore[assignment]
 
 
 def measure(loaded: LoadedEngine, rows: int, steps: int, warmup: int = 3) -> Measured:
