@@ -16,18 +16,20 @@ from server.config import ServerConfig
 from server.device_defaults import with_device_defaults
 from server.engine.async_engine import AsyncEngine
 from server.engine.client import EngineClient
-from server.loading import (
-    check_tensor_parallel,
-    freeze_start_up_objects,
-    load_engine,
-    load_tokenizer,
-)
+from server.loading import check_tensor_parallel, freeze_start_up_objects, load_engine
 from server.metrics import Metrics
 from server.model.architecture import check_servable
 from server.model.devices import pick_device
-from server.model.loader import loading_plan, locate_model, resolve_model_dir, served_model_name
+from server.model.loader import (
+    default_cache_dir,
+    loading_plan,
+    locate_model,
+    resolve_model_dir,
+    served_model_name,
+)
 from server.process.client import EngineProcessClient
 from server.process.replicas import ReplicatedEngine
+from server.tokenizer_cache import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +136,8 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
             process = EngineProcessClient(config, metrics)
         process.start()
         log.info("engine process %s ready in %.0f s", process.pid, time.monotonic() - started)
-        engine, tokenizer, vocab_size = process, load_tokenizer(model_dir), process.ready.vocab_size
+        tokenizer = load_tokenizer(model_dir, config.cache_dir or default_cache_dir())
+        engine, vocab_size = process, process.ready.vocab_size
     else:
         loaded = load_engine(config)
         loaded.engine.use_metrics(metrics)

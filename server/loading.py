@@ -11,19 +11,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from server.config import ServerConfig
 from server.device_defaults import with_device_defaults
 from server.engine.engine import Engine
 from server.model.devices import pick_device
-from server.model.loader import resolve_model_dir
+from server.model.loader import default_cache_dir, resolve_model_dir
 from server.model.runner import ModelRunner
 from server.model.weights import text_config
 from server.parallel.group import Rendezvous, TPGroup, rank_device
 from server.parallel.shard import check_tp_size
 from server.parallel.workers import TPWorkers
 from server.runner_setup import build_runner, set_threads
+from server.tokenizer_cache import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ def schedules_async(setting: str, device_type: str) -> bool:
     computes; not on the CPU, where the forward holds the host (and finishing tokens would cost
     a dropped row for nothing)."""
     return setting == "on" or (setting == "auto" and device_type == "cuda")
-
-
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
 
 
 @dataclass
@@ -82,7 +79,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     workers, group = start_tensor_parallel(config, device)
     device = group.device if group else device
     runner = build_runner(config, model_dir, device, group)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, config.cache_dir or default_cache_dir())
     engine = Engine(
         runner,
         tokenizer,
