@@ -61,3 +61,19 @@ def test_the_head_takes_onednn_where_it_runs_and_fbgemm_elsewhere(
     x = torch.randn(3, 32)
     top = (x @ weight.t()).argmax(dim=1)
     assert torch.equal(head(x).argmax(dim=1), top)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_quantized_a_block_of_rows_at_a_time_are_the_whole_matrix_formula(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(int8_products, "QUANTIZED_BLOCK", 7 * 24)  # 7 rows, and a part-block
+    weight = torch.randn(40, 24, generator=torch.Generator().manual_seed(3)).to(dtype)
+    weight[5] = 0  # a row of zeros: the smallest scale, not a division by zero
+    before = weight.clone()
+    q, scales = int8_products.quantize_per_channel(weight)
+    expected_scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
+    expected = torch.round(weight.float() / expected_scales[:, None]).clamp(-127, 127)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(q, expected.to(torch.int8))
+    assert torch.equal(weight, before)  # the model's weight is read, never written

@@ -24,12 +24,24 @@ import warnings
 
 import torch
 
+QUANTIZED_BLOCK = 1 << 20  # weights per pass (4 MB of float32): in the CPU's caches throughout
+
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 weights [out, in] and their float32 per-output-channel scales."""
-    weight = weight.detach().float()
-    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+    """Symmetric int8 weights [out, in] and their float32 per-output-channel scales, a block
+    of rows at a time. Over the whole matrix at once, each op a pass over memory, Gemma 3's LM
+    head (262k x 640) took 0.78 s at every start; in blocks 0.11 s (2-core AMD EPYC)."""
+    weight = weight.detach()
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    step = max(1, QUANTIZED_BLOCK // max(1, weight.shape[1]))
+    for start in range(0, weight.shape[0], step):
+        rows = weight[start : start + step].float()
+        scale = rows.abs().amax(dim=1).clamp_(min=1e-12).div_(127)
+        scales[start : start + step] = scale
+        scaled = torch.div(rows, scale[:, None])  # a new block: `weight` stays as it was
+        q[start : start + step] = scaled.round_().clamp_(-127, 127)
+    return q, scales
 
 
 class OneDNNRowProduct(torch.nn.Module):
