@@ -247,3 +247,36 @@ def test_a_gguf_file_is_parsed_once_while_it_converts(
         assert gguf.GGUFReader(str(first)) is gguf.GGUFReader(str(first))
     assert built == [str(first), str(second)]
     assert gguf.GGUFReader is CountingReader
+
+
+def test_the_plain_view_reader_parses_a_gguf_file_as_ggufs_own_reader(tmp_path: Path) -> None:
+    """`gguf_parsed_once` parses through a plain view of the memory map (no `numpy.memmap` per
+    slice): the same fields, values and tensors as gguf's reader, on a file with a vocabulary."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"tok{i}".encode() for i in range(300)] + ["▁ü".encode()])
+    writer.add_token_scores([float(-i) for i in range(301)])
+    writer.add_token_types([1] * 301)
+    writer.add_uint32("llama.context_length", 64)
+    writer.add_tensor("w", np.arange(24, dtype=np.float32).reshape(4, 6))
+    writer.add_tensor("b", np.ones(7, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = loader.plain_view_reader(gguf.GGUFReader)(str(path)), gguf.GGUFReader(str(path))
+    assert type(ours.data) is np.ndarray and type(theirs.data) is np.memmap
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset)
+        assert len(mine.parts) == len(field.parts)
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True))
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors
+    ]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
