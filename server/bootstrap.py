@@ -167,11 +167,6 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
             "does not yet for encoder-decoder models: set the decoding fields in requests",
             listed,
         )
-    # the grammar engine's view of the tokenizer (seconds for a large vocabulary), built while
-    # serving: a structured request that comes first waits for it
-    grammars = threading.Thread(target=prepare_grammars, args=(ctx,), name="beamline-grammar")
-    grammars.daemon = True
-    grammars.start()
     log.info(
         "ready: serving %s on http://%s:%d, loaded in %.0f s from %s (max_model_len %s)",
         name,
@@ -182,4 +177,10 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         f"{engine.max_model_len:,}",
     )
     freeze_start_up_objects()
+    # The grammar engine's view of the tokenizer (seconds for a large vocabulary), built while
+    # serving, last: llguidance holds the GIL for most of it (1.7 s for Gemma's), which would
+    # stall whatever runs beside it; a structured request that comes first waits for it.
+    grammars = threading.Thread(target=prepare_grammars, args=(ctx,), name="beamline-grammar")
+    grammars.daemon = True
+    grammars.start()
     return ctx

@@ -4,6 +4,7 @@ requests answer, and only constrained ones get a 400 that says why, naming their
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -35,7 +36,12 @@ async def client(
 ) -> AsyncIterator[httpx.AsyncClient]:
     caplog.set_level(logging.WARNING, logger="server.grammars")
     async with started_client(wordpiece_model, "wp") as c:  # start-up as `beamline serve` runs
-        warnings = [r.getMessage() for r in caplog.records if r.name == "server.grammars"]
+        warnings: list[str] = []
+        for _ in range(100):  # the grammar engine reads the tokenizer once the server is ready
+            warnings = [r.getMessage() for r in caplog.records if r.name == "server.grammars"]
+            if warnings:
+                break
+            await asyncio.sleep(0.1)
         assert warnings == [
             "structured outputs are off for this model: the grammar engine (llguidance) cannot "
             "read its tokenizer: can't determine decoder type: Some(WordPiece(WordPiece { prefix: "
