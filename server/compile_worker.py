@@ -22,6 +22,7 @@ import torch
 
 from server.config import ServerConfig
 from server.logs import setup_logging
+from server.model.background_compile import NICENESS, NICENESS_VARIABLE, NOT_AHEAD_OF_TIME
 from server.runner_setup import build_runner
 
 
@@ -52,7 +53,7 @@ def main() -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(_SaysWho())
     _end_with_parent()
-    os.nice(10)  # the server's steps first
+    os.nice(int(os.environ.get(NICENESS_VARIABLE, NICENESS)))  # the server's steps first
 
     torch.set_num_threads(int(spec["threads"]))
     runner = build_runner(config, Path(spec["model_dir"]), torch.device("cpu"))
@@ -60,7 +61,7 @@ def main() -> int:
     if steps is None:
         raise SystemExit("the runner compiles no decode step: nothing to do")
     runner.warm_up()
-    return 0 if all(source != "jit" for source in steps.sources) else 3
+    return 0 if all(source != "jit" for source in steps.sources) else NOT_AHEAD_OF_TIME
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ serves with the eager step (the same function, uncompiled) while
   take the GIL from the engine's thread between every two of its ops;
 - a thread of this process then reads the graphs from the cache (unpickling, off the engine's
   thread: it touches nothing the steps use);
-- the runner adopts them between two steps, in the thread that steps (`ModelRunner.
-  between_steps`): their guards checked and each graph run once on the pool's spare block, which
-  no sequence owns. A request in flight goes on with the compiled step from its next token.
+- the runner adopts them between two steps, in the thread that steps (`DecodeStepInUse.
+  between_steps`, decode_step.py): their guards checked and each graph run once on the pool's
+  spare block, which no sequence owns. A request in flight goes on with the compiled step from
+  its next token.
 
 Should the compile fail, the server keeps serving eagerly and says why in the log.
 """
@@ -35,6 +36,9 @@ from server.model.compiled_steps import CompiledSteps
 
 log = logging.getLogger(__name__)
 WORKER = "server.compile_worker"  # the module run as the compile process
+NOT_AHEAD_OF_TIME = 3  # its exit code when the step compiles only the plain way (nothing saved)
+NICENESS = 10  # the compile process's: the server's steps first
+NICENESS_VARIABLE = "BEAMLINE_COMPILE_NICENESS"  # how the compile process is told it
 
 
 class BackgroundCompile:
@@ -59,7 +63,7 @@ class BackgroundCompile:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until done (tests, and servers told to wait for the compiled step)."""
+        """Block until done (or `timeout` seconds): whether it is."""
         return self._done.wait(timeout)
 
     def adopt(self, steps: CompiledSteps, example: ExampleInputs) -> bool:
@@ -105,12 +109,18 @@ class BackgroundCompile:
             "later starts load it); serving with the eager step meanwhile"
         )
         started = time.monotonic()
-        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", NICENESS_VARIABLE: str(NICENESS)}
         self.process = subprocess.Popen(
             [sys.executable, "-m", WORKER], stdin=subprocess.PIPE, text=True, env=env
         )
         self.process.communicate(self.worker_spec)
         code = self.process.returncode
+        if code == NOT_AHEAD_OF_TIME:
+            self.failure = (
+                "the decoder does not compile ahead of time as one graph (the compile process's "
+                "log says why); --no-compile-while-serving compiles it the plain way instead"
+            )
+            return
         if code != 0:
             self.failure = f"the compile process ended with exit code {code} (its log is above)"
             return
