@@ -128,7 +128,11 @@ def test_a_later_start_reads_the_cached_step_without_a_compile_process(
 
 @pytest.mark.parametrize(
     ("code", "said"),
-    [(1, "the compile process ended with exit code 1"), (3, "does not compile ahead of time")],
+    [
+        (1, "the compile process ended with exit code 1"),
+        (3, "does not compile ahead of time"),
+        (-15, "the compile process was stopped by signal 15"),  # SIGTERM to the server's group
+    ],
 )
 def test_a_failed_compile_leaves_the_eager_step_serving(
     tiny_model_dirs: dict[str, Path],

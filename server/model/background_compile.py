@@ -121,6 +121,9 @@ class BackgroundCompile:
                 "log says why); --no-compile-while-serving compiles it the plain way instead"
             )
             return
+        if code < 0:  # a signal: the server stopping (its unit or group signalled), or a kill
+            self.failure = f"the compile process was stopped by signal {-code}"
+            return
         if code != 0:
             self.failure = f"the compile process ended with exit code {code} (its log is above)"
             return
