@@ -106,7 +106,26 @@ def build_serving_context(config: ServerConfig) -> ServingContext:
         ) from exc
 
 
-def prepare_grammars(ctx: ServingContext) -> None:
+IDLE_BEFORE_GRAMMARS_S = 1.0  # the engine idle this long: the grammar tokenizer is built then
+GRAMMARS_AT_THE_LATEST_S = 60.0  # or this long after start-up, idle or not
+
+
+def prepare_grammars(ctx: ServingContext, poll_s: float = 0.1) -> None:
+    """Build the grammar engine's view of the tokenizer at the first second the engine has no
+    request (or a minute after start-up): llguidance holds the GIL for most of it (1.7 s for
+    Gemma's vocabulary), which would stall the steps of requests in flight. A constrained
+    request that comes first builds it itself (grammars.py)."""
+    deadline = time.monotonic() + GRAMMARS_AT_THE_LATEST_S
+    idle_since: float | None = None
+    while (now := time.monotonic()) < deadline:
+        stats = ctx.engine.stats()
+        if stats.get("num_requests_running") or stats.get("num_requests_waiting"):
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= IDLE_BEFORE_GRAMMARS_S:
+            break
+        time.sleep(poll_s)
     started = time.monotonic()
     if ctx.grammars.prepare():
         log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)
@@ -177,9 +196,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         f"{engine.max_model_len:,}",
     )
     freeze_start_up_objects()
-    # The grammar engine's view of the tokenizer (seconds for a large vocabulary), built while
-    # serving, last: llguidance holds the GIL for most of it (1.7 s for Gemma's), which would
-    # stall whatever runs beside it; a structured request that comes first waits for it.
+    # the grammar engine's view of the tokenizer, built while serving (prepare_grammars)
     grammars = threading.Thread(target=prepare_grammars, args=(ctx,), name="beamline-grammar")
     grammars.daemon = True
     grammars.start()

@@ -280,3 +280,50 @@ def test_the_plain_view_reader_parses_a_gguf_file_as_ggufs_own_reader(tmp_path: 
         (t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors
     ]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+
+
+class BusyThenIdle:
+    """An engine client's stats: a request running for the first `busy` polls, then none."""
+
+    def __init__(self, busy: int) -> None:
+        self.polls = 0
+        self.busy = busy
+
+    def stats(self) -> dict[str, int]:
+        self.polls += 1
+        return {"num_requests_running": int(self.polls <= self.busy), "num_requests_waiting": 0}
+
+
+class CountedGrammars:
+    def __init__(self, engine: BusyThenIdle) -> None:
+        self.engine = engine
+        self.prepared_at_poll: int | None = None
+
+    def prepare(self) -> bool:
+        self.prepared_at_poll = self.engine.polls
+        return True
+
+
+@pytest.mark.parametrize("busy", [5, 10**9])
+def test_the_grammar_tokenizer_is_built_once_the_engine_is_idle_or_at_the_latest(
+    monkeypatch: pytest.MonkeyPatch, busy: int
+) -> None:
+    """llguidance holds the GIL while it reads the tokenizer: built in the first idle second
+    after start-up (here 0.035 s: 4 idle polls of 0.01 s), not while requests run; or, never
+    idle, at the latest (here 0.3 s)."""
+    from types import SimpleNamespace
+
+    from server import bootstrap
+
+    monkeypatch.setattr(bootstrap, "IDLE_BEFORE_GRAMMARS_S", 0.035)
+    monkeypatch.setattr(bootstrap, "GRAMMARS_AT_THE_LATEST_S", 0.3)
+    engine = BusyThenIdle(busy)
+    grammars = CountedGrammars(engine)
+    started = time.monotonic()
+    bootstrap.prepare_grammars(SimpleNamespace(engine=engine, grammars=grammars), poll_s=0.01)
+    took = time.monotonic() - started
+    assert grammars.prepared_at_poll is not None
+    if busy == 5:
+        assert busy + 4 <= grammars.prepared_at_poll <= busy + 10 and took < 0.3
+    else:
+        assert took >= 0.3  # never idle: at the deadline
