@@ -118,7 +118,10 @@ def prepare_grammars(ctx: ServingContext, poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + GRAMMARS_AT_THE_LATEST_S
     idle_since: float | None = None
     while (now := time.monotonic()) < deadline:
-        stats = ctx.engine.stats()
+        try:
+            stats = ctx.engine.stats()
+        except Exception:  # an engine that cannot say: build it now
+            break
         if stats.get("num_requests_running") or stats.get("num_requests_waiting"):
             idle_since = None
         elif idle_since is None:
