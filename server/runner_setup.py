@@ -29,7 +29,7 @@ from server.model.weights import text_config
 from server.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
-SPARE_BLOCKS = 4  # the compile process's KV pool: its example steps use one block
+COMPILE_POOL_BLOCKS = 4  # the compile process's KV pool: its example steps use one block
 
 
 def build_runner(
@@ -106,7 +106,8 @@ def build_runner(
 def compile_spec(config: ServerConfig, model_dir: Path, threads: int) -> str:
     """What the compile process (compile_worker.py) reads: this runner's `config` on a KV pool of
     a few blocks."""
-    pool = {"num_kv_blocks": SPARE_BLOCKS, "max_model_len": SPARE_BLOCKS * config.block_size}
+    blocks = COMPILE_POOL_BLOCKS
+    pool = {"num_kv_blocks": blocks, "max_model_len": blocks * config.block_size}
     worker = config.model_copy(update={**pool, "compile_while_serving": False})
     return json.dumps(
         {"config": worker.model_dump(mode="json"), "model_dir": str(model_dir), "threads": threads}

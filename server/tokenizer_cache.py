@@ -15,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import logging
-import os
 import pickle
 import platform
 import threading
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from server.model.compile_cache import partial_path
 
 log = logging.getLogger(__name__)
 WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack"})
@@ -64,7 +65,7 @@ def tokenizer_key(model_dir: Path) -> str:
 
 def _keep(tokenizer: PreTrainedTokenizerBase, entry: Path) -> None:
     """Write the entry aside, then rename it into place: a start reading it never sees half."""
-    partial = entry.with_name(f"{entry.name}.{os.getpid()}.partial")
+    partial = partial_path(entry)
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         with partial.open("wb") as file:

@@ -35,7 +35,6 @@ class DecodeStepInUse:
         example: ExampleInputs,
         job: BackgroundCompile | None = None,
     ) -> None:
-        self.eager = eager
         self.compiled = compiled
         self.example = example  # steps on a block no sequence owns: compile, check, warm
         self.job = job if compiled is not None else None  # compiling while serving
