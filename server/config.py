@@ -48,7 +48,7 @@ class ServerConfig(LoRASettings, ParallelSettings):
     served_model_name: str | None = Field(None, description="model id reported by the API")
     cache_dir: Path | None = Field(
         None,
-        description="where converted GGUF models, compiled decode steps and tokenizers are kept",
+        description="where converted GGUF models, compiled steps, tokenizers and int8 weights live",
     )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: DType = Field("auto", description="auto = bfloat16 on CUDA, float32 on the CPU")

@@ -52,7 +52,9 @@ def build_runner(
             max_model_len=config.max_model_len,
         ),
     )
-    compile_cache = (config.cache_dir or default_cache_dir()) / "compiled"
+    cache = config.cache_dir or default_cache_dir()
+    compile_cache = cache / "compiled"
+    pool["weights_cache"] = cache / "weights"
     if is_seq2seq(text_config(model_dir)):
         check_seq2seq_options(config)
         # auto: float32, exact (int8's accuracy on these families is not measured yet); the

@@ -94,6 +94,9 @@ class StepPlan:
     released: list[int] = field(default_factory=list)  # rows the model side forgets (first)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, before
     scores: list[PlanScore] = field(default_factory=list)
+    # rows whose new tokens run through the floating-point weights of an int8 model (a prompt
+    # that scores: model/exact_weights.py)
+    exact: list[int] = field(default_factory=list)
     lora_slots: list[int] | None = None  # per row; None: LoRA is off
     installs: list[AdapterInstall] = field(default_factory=list)
     deferred: DeferredTokens | None = None
@@ -149,12 +152,12 @@ class StepOutput:
 
 # ---- the one encoding ---------------------------------------------------------------------------
 # ints: a header of counts and `ranked`, then the per-row columns, the table edits, releases,
-# copies, scores, LoRA slots, installs (slot, then the rank of each projection in `adapter_paths`
-# order, 0 when the adapter leaves it alone), the deferred tokens' rows and sources, and the
-# sources (-1, or the number of encodes, then each row's source length and each encode's row,
-# length and tokens).
+# copies, scores, exact rows, LoRA slots, installs (slot, then the rank of each projection in
+# `adapter_paths` order, 0 when the adapter leaves it alone), the deferred tokens' rows and
+# sources, and the sources (-1, or the number of encodes, then each row's source length and each
+# encode's row, length and tokens).
 # floats: every install's A and B, flattened, in that order.
-_HEADER = 10
+_HEADER = 11
 
 
 def encode_plan(
@@ -171,6 +174,7 @@ def encode_plan(
         len(plan.released),
         len(plan.copies),
         len(plan.scores),
+        len(plan.exact),
         -1 if plan.lora_slots is None else len(plan.lora_slots),
         len(plan.installs),
         -1 if deferred is None else len(deferred.rows),
@@ -190,6 +194,7 @@ def encode_plan(
     for score in plan.scores:
         data += (score.row, score.start, score.stop, score.num_top, len(score.targets))
         data += score.targets
+    data += plan.exact
     if plan.lora_slots is not None:
         data += plan.lora_slots
     parts: list[torch.Tensor] = []
@@ -245,6 +250,7 @@ def decode_plan(
         n_released,
         n_copies,
         n_scores,
+        n_exact,
         n_slots,
         n_installs,
         n_deferred,
@@ -267,6 +273,7 @@ def decode_plan(
     for _ in range(n_scores):
         row, start, stop, top, count = read.take(5)
         plan.scores.append(PlanScore(row, start, stop, top, read.take(count)))
+    plan.exact = read.take(n_exact)
     plan.lora_slots = read.take(n_slots) if n_slots >= 0 else None
     at = 0
     for _ in range(n_installs):

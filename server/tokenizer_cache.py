@@ -22,10 +22,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from server.model.compile_cache import partial_path
+from server.model.compile_cache import WEIGHT_SUFFIXES, partial_path
 
 log = logging.getLogger(__name__)
-WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack"})
 
 
 def load_tokenizer(model_dir: Path, cache: Path | None = None) -> PreTrainedTokenizerBase:

@@ -22,6 +22,7 @@ class StubRequest:
     rows: list[Sequence] = field(default_factory=list)
     width: int = 1
     unscored_from: int | None = None
+    scores_prompt: bool = False
     priority: int = 0
     cache_salt: str | None = None
     adapter: object | None = None  # no LoRA adapter

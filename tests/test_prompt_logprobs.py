@@ -101,6 +101,32 @@ def test_prompt_logprobs_under_the_int8_head_are_the_floating_point_heads(gemma:
         check_against(reference(model, ids), ids, prompt_logprobs_of(result))
 
 
+@pytest.mark.parametrize("quantization", ["w8a8", "int8-weights"])
+def test_prompt_logprobs_under_an_int8_decoder_are_the_floating_point_models(
+    gemma: tuple, quantization: str
+) -> None:
+    """Under an int8 decoder a prompt that scores runs through the floating-point weights:
+    transformers' logprobs, ranks and top tokens, chunked, beside requests that do not score.
+    Those keep the int8 kernels: each generates what it generates alone, and no hook stays on a
+    layer once the steps are done."""
+    model_dir, model, tok = gemma
+    engine = make_engine(model_dir, quantization=quantization, max_num_batched_tokens=16)
+    assert len(engine.runner.exact) > 0
+    prompts = [encode(tok, p) for p in PROMPTS]
+    greedy = DecodingParams(max_tokens=6, temperature=0.0)
+    alone = [submit(engine, f"alone{i}", ids, greedy) for i, ids in enumerate(prompts)]
+    run_to_completion(engine)
+    scored = DecodingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)
+    got = [submit(engine, str(i), ids, scored) for i, ids in enumerate(prompts)]
+    beside = [submit(engine, f"beside{i}", ids, greedy) for i, ids in enumerate(prompts)]
+    run_to_completion(engine)
+    for ids, result in zip(prompts, got):
+        check_against(reference(model, ids), ids, prompt_logprobs_of(result))
+    assert [b.token_ids for b in beside] == [a.token_ids for a in alone]
+    for layer in engine.runner.exact.weights:
+        assert not layer._forward_hooks and not layer._forward_pre_hooks
+
+
 def test_a_cached_prefix_is_computed_again_where_its_logits_are_needed(gemma: tuple) -> None:
     """A prompt whose prefix is in the prefix cache still gets every logprob right: the cache has
     keys and values, not logits. Once scored, the same prompt may use the cache again."""

@@ -59,6 +59,7 @@ def full_plan() -> StepPlan:
         released=[2, 3],
         copies=[(1, 22), (5, 6)],
         scores=[PlanScore(0, 8, 19, 2, list(range(109, 120)))],
+        exact=[0, 4],
         lora_slots=[1, -1, 0, -1, 1],
         installs=[AdapterInstall(1, {"q_proj": (a, b), "o_proj": (o_a, o_b)})],
         deferred=DeferredTokens(torch.tensor([5, 6, 9]), [2, 3], [0, 2]),
@@ -131,6 +132,24 @@ def test_a_plan_with_every_kind_of_change_round_trips() -> None:
 def test_small_plans_round_trip(plan: StepPlan) -> None:
     data, floats = encode_plan(plan, list(SHAPES))
     assert_same(decode_plan(data, floats, None, SHAPES), plan)
+
+
+def test_a_prompt_that_scores_runs_exact_until_it_ends() -> None:
+    """A request that asks for prompt logprobs: every chunk of its prompt is an `exact` row (the
+    model side runs it through the floating-point weights), its generated tokens are not; a
+    request that does not ask is never one."""
+    builder = PlanBuilder(block_size=4, lora=False)
+    rows = []
+    for rid, top in (("scores", 1), ("plain", None)):
+        req = EngineRequest(rid, [1, 2, 3, 4, 5], DecodingParams(prompt_logprobs=top), print)
+        req.prepare(frozenset(), torch.device("cpu"), 64)
+        rows.append(req.rows[0])
+    scoring, plain = rows
+    assert builder.build([WorkItem(scoring, 3), WorkItem(plain, 3)], [], []).exact == [0]
+    scoring.num_computed = plain.num_computed = 3
+    assert builder.build([WorkItem(plain, 2), WorkItem(scoring, 2)], [], []).exact == [1]
+    scoring.num_computed, scoring.token_ids = 5, [1, 2, 3, 4, 5, 6]
+    assert builder.build([WorkItem(scoring, 1)], [], []).exact == []
 
 
 def test_a_steady_decode_row_sends_no_table() -> None:

@@ -60,6 +60,8 @@ class PlanBuilder:
                 span = item.score
                 targets = seq.token_ids[span.start + 1 : span.stop + 1]
                 plan.scores.append(PlanScore(r, span.start, span.stop, span.num_top, targets))
+            if seq.request.scores_prompt and start < seq.prompt_len:
+                plan.exact.append(r)
             table, sent = seq.block_table, seq.model_table
             if sent is None:
                 plan.table_edits.append(TableEdit(r, 0, list(table)))

@@ -26,15 +26,20 @@ ROOT_HASH = b""  # parent of a sequence's first block (unsalted)
 
 
 def root_hash(
-    cache_salt: str | None, adapter_key: str | None = None, source: Tokens[int] = ()
+    cache_salt: str | None,
+    adapter_key: str | None = None,
+    source: Tokens[int] = (),
+    exact: bool = False,
 ) -> bytes:
     """The parent of a sequence's first block: ROOT_HASH (no salt, the base model), or the
-    hash of its request's salt, adapter and source. An encoder-decoder row's first blocks are
-    its source's cross-attention keys and values, and the encoder reads the source both ways:
-    a block is the same only under the same whole source, not the same leading tokens."""
-    if cache_salt is None and adapter_key is None and not source:
+    hash of its request's salt, adapter, source and precision. An encoder-decoder row's first
+    blocks are its source's cross-attention keys and values, and the encoder reads the source
+    both ways: a block is the same only under the same whole source, not the same leading
+    tokens. A prompt that scores runs at full precision under an int8 format: its blocks are
+    not another request's."""
+    if cache_salt is None and adapter_key is None and not source and not exact:
         return ROOT_HASH
-    parts = b""
+    parts = b"\x00exact" if exact else b""
     if cache_salt is not None:
         parts += b"cache_salt:" + cache_salt.encode()
     if adapter_key is not None:  # a length prefix: no salt can imitate an adapter
@@ -67,6 +72,7 @@ class PrefixCache:
                     req.cache_salt,
                     req.adapter_key,
                     req.prompt_ids[: req.source_len] if req.source_len else (),
+                    req.scores_prompt,
                 )
             )
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))

@@ -279,6 +279,12 @@ class EngineRequest:
         return self.adapter.key if self.adapter is not None else None
 
     @property
+    def scores_prompt(self) -> bool:
+        """It asks for its prompt's logprobs: its prompt runs at full precision under an int8
+        format (model/exact_weights.py), and shares prefix-cache blocks only with such requests."""
+        return self.params.prompt_logprobs is not None
+
+    @property
     def unscored_from(self) -> int | None:
         """The first prompt position whose hidden state prompt logprobs still need (its logits
         score the token after it); None when nothing is left to score. Tokens before it may come

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
+# files that hold a model's weights (what the tokenizer's key leaves out, the weights' key reads)
+WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack"})
 
 
 def cache_key(identity: dict[str, str]) -> str:

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 
 QUANTIZED_BLOCK = 1 << 20  # weights per pass (4 MB of float32): in the CPU's caches throughout
+# a float weight [out, in] -> its int8 weight and per-output-channel scales (weights_cache.py
+# gives one that reads them from a cache entry)
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,9 +51,13 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 class OneDNNRowProduct(torch.nn.Module):
     """`x @ weight.T` of float32 rows x [rows, in] through oneDNN's int8 linear."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        quantize: Quantize = quantize_per_channel,
+    ) -> None:
         super().__init__()
-        q, scales = quantize_per_channel(weight)
+        q, scales = quantize(weight)
         self.packed: torch.Tensor
         self.scales: torch.Tensor
         self.zero_points: torch.Tensor
@@ -109,6 +117,10 @@ def onednn_int8_works() -> bool:
     return bool((got - expected).abs().max() <= 0.05 * expected.abs().max())
 
 
-def row_product(weight: torch.Tensor) -> torch.nn.Module:
-    """The fastest int8 row product of `weight` this build runs (module docstring)."""
-    return OneDNNRowProduct(weight) if onednn_int8_works() else FbgemmRowProduct(weight)
+def row_product(
+    weight: torch.Tensor,
+    quantize: Quantize = quantize_per_channel,
+) -> torch.nn.Module:
+    """The fastest int8 row product of `weight` this build runs (module docstring); `quantize`
+    gives oneDNN's its int8 weight (fbgemm's quantizes its own)."""
+    return OneDNNRowProduct(weight, quantize) if onednn_int8_works() else FbgemmRowProduct(weight)

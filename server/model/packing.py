@@ -16,6 +16,7 @@ import torch
 
 from decoding.logprobs import TokenLogprobs, token_logprobs
 from decoding.transfer import to_device
+from server.model.kv_cache import PagedKVCache
 from server.model.paged_step import PagedStep
 from server.model.step_context import CrossStep, DecodeStep, SeqSlice, StepContext
 from server.step_plan import PlanScore, StepPlan, TableEdit
@@ -75,12 +76,18 @@ def scratch_plan(num_new: int, block_size: int) -> StepPlan:
 
 
 def scratch_decode(
-    rows: int, block_size: int, device: torch.device, block: int = 0
+    rows: int,
+    block_size: int,
+    device: torch.device,
+    block: int = 0,
+    kv: PagedKVCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
     """Inputs of a decode step of `rows` rows on the slots of `block` (one no sequence owns:
-    the pool's spare block, or any before serving)."""
+    the pool's spare block, or any before serving); `kv`: the pools the step is given (a
+    compiled step's example)."""
     positions = list(range(1, rows + 1))
     ctx = DecodeStep.build([[block]] * rows, [p + 1 for p in positions], block_size, device)
+    ctx.kv = kv
     input_ids = torch.zeros((1, rows), dtype=torch.long, device=device)
     return input_ids, to_device(positions, device, torch.long).unsqueeze(0), ctx
 

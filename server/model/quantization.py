@@ -55,7 +55,12 @@ import torch
 from decoding.top_k import largest
 from server.model.cpu_linear import replace_linears
 from server.model.devices import QUANTIZATIONS
-from server.model.int8_products import OneDNNRowProduct, quantize_per_channel, row_product
+from server.model.int8_products import (
+    OneDNNRowProduct,
+    Quantize,
+    quantize_per_channel,
+    row_product,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +78,15 @@ class Int8Linear(torch.nn.Module):
     scales: torch.Tensor
     scale_dtype = torch.float32
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        quantize: Quantize = quantize_per_channel,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        q, scales = quantize_per_channel(weight)
+        q, scales = quantize(weight)
         self.register_buffer("weight_int8", q)
         self.register_buffer("scales", scales.to(self.scale_dtype))
         self.bias = (
@@ -133,13 +143,15 @@ def kernel_supports(in_features: int) -> bool:
     return in_features % 16 == 0
 
 
-def quantize_decoder_weights(decoder: torch.nn.Module, device: torch.device) -> int:
+def quantize_decoder_weights(
+    decoder: torch.nn.Module, device: torch.device, quantize: Quantize = quantize_per_channel
+) -> int:
     """Replace the linear layers under `decoder` by Int8WeightOnlyLinear; returns the count."""
     if device.type != "cpu":
         raise ValueError("int8-weights runs on the CPU only; use --dtype bfloat16 on CUDA")
     count = replace_linears(
         decoder,
-        lambda layer: Int8WeightOnlyLinear(layer.weight, layer.bias),
+        lambda layer: Int8WeightOnlyLinear(layer.weight, layer.bias, quantize),
         lambda _name, layer: kernel_supports(layer.in_features),
     )
     log.info("decoder quantized: %d linear layers with int8 weights (weight-only)", count)
@@ -151,6 +163,7 @@ def quantize_w8a8(
     device: torch.device,
     weight_only: frozenset[str] = WEIGHT_ONLY_UNDER_W8A8,
     part: str = "decoder",
+    quantize: Quantize = quantize_per_channel,
 ) -> int:
     """Replace the linear layers under `module` (a decoder, or an encoder-decoder model's
     encoder under w8a8-all) by Int8DynamicLinear, except those named in `weight_only`, which
@@ -159,12 +172,12 @@ def quantize_w8a8(
         raise ValueError("w8a8 runs on the CPU only; use --dtype bfloat16 on CUDA")
     kept = replace_linears(
         module,
-        lambda layer: Int8WeightOnlyLinear(layer.weight, layer.bias),
+        lambda layer: Int8WeightOnlyLinear(layer.weight, layer.bias, quantize),
         lambda name, layer: name in weight_only and kernel_supports(layer.in_features),
     )
     dynamic = replace_linears(
         module,
-        lambda layer: Int8DynamicLinear(layer.weight, layer.bias),
+        lambda layer: Int8DynamicLinear(layer.weight, layer.bias, quantize),
         lambda name, _layer: name not in weight_only,  # an unsupported down_proj stays float
     )
     log.info(
@@ -208,11 +221,16 @@ class RescoredInt8Head(torch.nn.Module):
     Takes and returns float32.
     """
 
-    def __init__(self, weight: torch.Tensor, candidates: int = RESCORED_CANDIDATES) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        candidates: int = RESCORED_CANDIDATES,
+        quantize: Quantize = quantize_per_channel,
+    ) -> None:
         super().__init__()
         self.weight = weight.detach()  # shared with the model, not a parameter of this module
         self.candidates = min(candidates, weight.shape[0])
-        self.int8 = row_product(self.weight)
+        self.int8 = row_product(weight, quantize)
 
     def approximate(self, x: torch.Tensor) -> torch.Tensor:
         """int8 logits [rows, vocab] of float32 rows [rows, hidden]."""
@@ -256,7 +274,12 @@ def head_logits(head: torch.nn.Module, x: torch.Tensor, ranked: int = 0) -> torc
     return head(x, ranked) if isinstance(head, RescoredInt8Head) else head(x)
 
 
-def quantized_lm_head(head: torch.nn.Module, device: torch.device, method: str) -> torch.nn.Module:
+def quantized_lm_head(
+    head: torch.nn.Module,
+    device: torch.device,
+    method: str,
+    quantize: Quantize = quantize_per_channel,
+) -> torch.nn.Module:
     """The LM head to run: `head` itself, or a RescoredInt8Head over its weight (which takes
     float32 inputs)."""
     if method == "none":
@@ -265,6 +288,6 @@ def quantized_lm_head(head: torch.nn.Module, device: torch.device, method: str) 
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
     if device.type != "cpu":
         raise ValueError("int8 quantization runs on the CPU only; use --dtype bfloat16 on CUDA")
-    rescored = RescoredInt8Head(cast(torch.Tensor, head.weight))
+    rescored = RescoredInt8Head(cast(torch.Tensor, head.weight), quantize=quantize)
     log.info("LM head quantized: %s", rescored.extra_repr())
     return rescored

@@ -94,6 +94,7 @@ class ModelRunner:
         max_lora_rank: int = 16,
         tp: TPGroup | None = None,
         compile_while_serving: BackgroundCompile | None = None,
+        weights_cache: Path | None = None,
     ) -> None:
         check_runner_options(compile_decode, quantization, device)  # before minutes of loading
         if tp and cuda_graphs:  # NCCL inside a graph capture is not verified on a GPU yet
@@ -117,8 +118,10 @@ class ModelRunner:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             tp=tp,
+            weights_cache=weights_cache,
         )
         self.model, self.lm_head, self.lora = weights.model, weights.lm_head, weights.lora
+        self.exact = weights.exact  # a scoring prompt's tokens at full precision
         self.decoder = self.model.get_decoder()
         self.vocab_size, self.linear_layout = weights.vocab_size, weights.linear_layout
         self.head_dtype = torch.float32 if quantization != "none" else dtype
@@ -191,8 +194,10 @@ class ModelRunner:
                 # each rank's shard is its own graph: its vocabulary range is a constant in it
                 tensor_parallel=f"rank {tp.rank} of {tp.size}" if tp else "none",
             )
+        examples = functools.partial(scratch_decode, block_size=block_size, device=device)
+        on_spare = functools.partial(examples, block=self.num_blocks, kv=self.kv_cache)
         self.decode_step = DecodeStepInUse(  # decode_step.py: eager, or compiled
-            self._run_decoder, self.compiled_decode, self._example_decode, compile_while_serving
+            self._run_decoder, self.compiled_decode, on_spare, compile_while_serving
         )
         # the plans, to the other ranks (installs name the projections in this order)
         self.tp_steps = StepBroadcast.of_driver(tp, list(self.lora.targets) if self.lora else [])
@@ -244,12 +249,6 @@ class ModelRunner:
             self.graphs.capture()
         self.decode_step.warm_up()
 
-    def _example_decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
-        block = self.num_blocks  # the spare one
-        input_ids, position_ids, ctx = scratch_decode(rows, self.block_size, self.device, block)
-        ctx.kv = self.kv_cache
-        return input_ids, position_ids, ctx
-
     def _decode_step(
         self,
         tables: list[list[int]],
@@ -286,7 +285,7 @@ class ModelRunner:
             return self._execute(plan, tables)
 
     def _execute(self, plan: StepPlan, tables: list[list[int]]) -> StepOutput:
-        if plan.verify_only:
+        if plan.verify_only and not plan.exact:
             edit: Callable[[torch.Tensor], None] = lambda t: None  # noqa: E731
             if plan.deferred is not None:
                 edit = functools.partial(put_deferred, plan=plan, row_starts=plan.token_starts())
@@ -310,7 +309,8 @@ class ModelRunner:
         kernel = self.attention_backend == "triton"
         packed = pack_step(plan, tables, self.block_size, self.device, kernel, self.pad_cross)
         put_deferred(packed.input_ids[0], plan, packed.row_starts)
-        hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
+        with self.exact.rows(plan, packed.row_starts, self.device):  # a scoring prompt's
+            hidden = self._run_decoder(packed.input_ids, packed.position_ids, packed.ctx)
         exact = functools.partial(self._logits, ranked=EXACT_LOGITS)  # read as logprobs
         scores = {
             score.row: scored

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from server.model.architecture import check_loaded_whole, check_servable, is_seq2seq
 from server.model.cpu_linear import apply_linear_layout
 from server.model.devices import dtype_warning
+from server.model.exact_weights import ExactWeights, int8_layers
 from server.model.lora.files import target_modules
 from server.model.lora.modules import LoRAModules
 from server.model.quantization import (
@@ -23,6 +24,7 @@ from server.model.quantization import (
     quantize_w8a8,
     quantized_lm_head,
 )
+from server.model.weights_cache import Quantizer, load_layers, save_layers, weights_entry
 from server.parallel.group import TPGroup
 from server.parallel.shard import reduce_row_parallel, shard_model
 
@@ -42,6 +44,7 @@ class ServingWeights:
     vocab_size: int  # the whole vocabulary's, also under tensor parallelism
     linear_layout: str
     lora: LoRAModules | None
+    exact: ExactWeights  # the int8 layers' floating-point weights, for prompt scoring
 
 
 def load_serving_weights(
@@ -55,7 +58,10 @@ def load_serving_weights(
     max_loras: int,
     max_lora_rank: int,
     tp: TPGroup | None,
+    weights_cache: Path | None = None,
 ) -> ServingWeights:
+    """`weights_cache`: where a quantized model's int8 layers are kept between starts
+    (weights_cache.py); None: quantized at every start, floating-point weights kept in memory."""
     check_servable(model_dir)
     config = text_config(model_dir)
     if (warning := dtype_warning(str(config.model_type), dtype)) is not None:
@@ -81,18 +87,17 @@ def load_serving_weights(
     sharded = shard_model(model, tp) if tp is not None else None
     model = model.to(device)  # type: ignore[arg-type]  # transformers' .to() stub loses self
     decoder = model.get_decoder()
-    lm_head = quantized_lm_head(model.get_output_embeddings(), device, quantization)
-    if quantization == "int8-weights":
-        quantize_decoder_weights(decoder, device)
-    elif quantization in WEIGHT_ONLY:
-        quantize_w8a8(decoder, device, WEIGHT_ONLY[quantization])
+    entry = None
+    if weights_cache is not None and quantization != "none":
+        ranks = f"rank {tp.rank} of {tp.size}" if tp else "none"
+        form = {"quantization": quantization, "dtype": str(dtype), "tensor_parallel": ranks}
+        entry = weights_entry(weights_cache, model_dir, form)
+    lm_head, exact = _quantize(model, device, quantization, entry)
     lm_head, layout = apply_linear_layout(
         decoder, lm_head, linear_layout, device, compiled=compiled
     )
     if is_seq2seq(config):  # the encoder's float layers choose their layout on their own
         encoder = model.get_encoder()
-        if quantization == "w8a8-all":  # every linear layer of the model, as CTranslate2's int8
-            quantize_w8a8(encoder, device, WEIGHT_ONLY[quantization], part="encoder")
         _, encoder_layout = apply_linear_layout(
             encoder, torch.nn.Identity(), linear_layout, device, compiled=compiled
         )
@@ -110,4 +115,43 @@ def load_serving_weights(
     )
     if sharded is not None and tp is not None:
         reduce_row_parallel(model, sharded, tp)
-    return ServingWeights(model, lm_head, vocab_size, layout, lora)
+    return ServingWeights(model, lm_head, vocab_size, layout, lora, exact)
+
+
+def _quantize(
+    model: PreTrainedModel, device: torch.device, quantization: str, entry: Path | None
+) -> tuple[torch.nn.Module, ExactWeights]:
+    """Quantize the model's layers as `quantization` says, in place, taking the int8 weights
+    `entry` holds (and writing it when it holds none); returns the LM head to run and the
+    floating-point weights of the decoder's int8 layers (exact_weights.py)."""
+    head = model.get_output_embeddings()
+    if quantization == "none":
+        return head, ExactWeights({})
+    parts = {"decoder": model.get_decoder()}
+    if is_seq2seq(model.config) and quantization == "w8a8-all":  # as CTranslate2's int8 does
+        parts["encoder"] = model.get_encoder()
+    names = {id(head.weight): "lm_head"}
+    floats: dict[str, torch.Tensor] = {}  # the decoder's, by name: what prompt scoring reads
+    for part, module in parts.items():
+        for name, layer in module.named_modules():
+            if isinstance(layer, torch.nn.Linear):
+                names[id(layer.weight)] = f"{part}.{name}"
+                if part == "decoder":
+                    floats[f"{part}.{name}"] = layer.weight.detach()
+    stored = load_layers(entry) if entry is not None else None
+    quantize = Quantizer(names, stored)
+    lm_head = quantized_lm_head(head, device, quantization, quantize)
+    for part, module in parts.items():
+        if quantization == "int8-weights":
+            quantize_decoder_weights(module, device, quantize)
+        elif quantization in WEIGHT_ONLY:  # `int8` quantizes the LM head alone
+            quantize_w8a8(module, device, WEIGHT_ONLY[quantization], part, quantize)
+    if quantize.loaded:
+        log.info("int8 weights of %d layers read from %s", quantize.loaded, entry)
+    if entry is not None and stored is None:  # a first start: keep them, and map them back
+        made = {name: (q, s, floats.get(name)) for name, (q, s) in quantize.made.items()}
+        stored = save_layers(entry, made)
+    if stored is not None:  # the floating-point weights: the entry's, memory-mapped
+        floats = {name: exact for name, (_, _, exact) in stored.items() if exact is not None}
+    layers = {f"decoder.{name}": layer for name, layer in int8_layers(parts["decoder"]).items()}
+    return lm_head, ExactWeights({layer: floats[n] for n, layer in layers.items() if n in floats})
