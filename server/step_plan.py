@@ -97,6 +97,9 @@ class StepPlan:
     # rows whose new tokens run through the floating-point weights of an int8 model (a prompt
     # that scores: model/exact_weights.py)
     exact: list[int] = field(default_factory=list)
+    # the step's logits rows (its sampling rows' positions, drafts included, in order) computed
+    # from an int8 LM head's floating-point weight: rows whose logprobs are returned
+    exact_logits: list[int] = field(default_factory=list)
     lora_slots: list[int] | None = None  # per row; None: LoRA is off
     installs: list[AdapterInstall] = field(default_factory=list)
     deferred: DeferredTokens | None = None
@@ -152,12 +155,12 @@ class StepOutput:
 
 # ---- the one encoding ---------------------------------------------------------------------------
 # ints: a header of counts and `ranked`, then the per-row columns, the table edits, releases,
-# copies, scores, exact rows, LoRA slots, installs (slot, then the rank of each projection in
-# `adapter_paths` order, 0 when the adapter leaves it alone), the deferred tokens' rows and
-# sources, and the sources (-1, or the number of encodes, then each row's source length and each
-# encode's row, length and tokens).
+# copies, scores, exact rows and logits rows, LoRA slots, installs (slot, then the rank of each
+# projection in `adapter_paths` order, 0 when the adapter leaves it alone), the deferred tokens'
+# rows and sources, and the sources (-1, or the number of encodes, then each row's source length
+# and each encode's row, length and tokens).
 # floats: every install's A and B, flattened, in that order.
-_HEADER = 11
+_HEADER = 12
 
 
 def encode_plan(
@@ -175,6 +178,7 @@ def encode_plan(
         len(plan.copies),
         len(plan.scores),
         len(plan.exact),
+        len(plan.exact_logits),
         -1 if plan.lora_slots is None else len(plan.lora_slots),
         len(plan.installs),
         -1 if deferred is None else len(deferred.rows),
@@ -195,6 +199,7 @@ def encode_plan(
         data += (score.row, score.start, score.stop, score.num_top, len(score.targets))
         data += score.targets
     data += plan.exact
+    data += plan.exact_logits
     if plan.lora_slots is not None:
         data += plan.lora_slots
     parts: list[torch.Tensor] = []
@@ -251,6 +256,7 @@ def decode_plan(
         n_copies,
         n_scores,
         n_exact,
+        n_exact_logits,
         n_slots,
         n_installs,
         n_deferred,
@@ -274,6 +280,7 @@ def decode_plan(
         row, start, stop, top, count = read.take(5)
         plan.scores.append(PlanScore(row, start, stop, top, read.take(count)))
     plan.exact = read.take(n_exact)
+    plan.exact_logits = read.take(n_exact_logits)
     plan.lora_slots = read.take(n_slots) if n_slots >= 0 else None
     at = 0
     for _ in range(n_installs):

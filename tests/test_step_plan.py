@@ -60,6 +60,7 @@ def full_plan() -> StepPlan:
         copies=[(1, 22), (5, 6)],
         scores=[PlanScore(0, 8, 19, 2, list(range(109, 120)))],
         exact=[0, 4],
+        exact_logits=[1, 2, 3, 4],
         lora_slots=[1, -1, 0, -1, 1],
         installs=[AdapterInstall(1, {"q_proj": (a, b), "o_proj": (o_a, o_b)})],
         deferred=DeferredTokens(torch.tensor([5, 6, 9]), [2, 3], [0, 2]),
@@ -150,6 +151,26 @@ def test_a_prompt_that_scores_runs_exact_until_it_ends() -> None:
     assert builder.build([WorkItem(plain, 2), WorkItem(scoring, 2)], [], []).exact == [1]
     scoring.num_computed, scoring.token_ids = 5, [1, 2, 3, 4, 5, 6]
     assert builder.build([WorkItem(scoring, 1)], [], []).exact == []
+
+
+def test_rows_that_return_logprobs_name_their_logits_rows() -> None:
+    """`exact_logits` counts the step's logits rows: one per sampling row, one more per draft;
+    a chunk that does not sample has none."""
+    builder = PlanBuilder(block_size=4, lora=False)
+    rows = []
+    for rid, logprobs, prompt in (("a", None, 3), ("b", 2, 3), ("c", 0, 6), ("d", 1, 4)):
+        req = EngineRequest(rid, list(range(1, 7)), DecodingParams(logprobs=logprobs), print)
+        req.prepare(frozenset(), torch.device("cpu"), 64)
+        seq = req.rows[0]
+        seq.num_computed = prompt
+        rows.append(seq)
+    a, b, c, d = rows
+    items = [WorkItem(a, 3), WorkItem(b, 4, draft=[9]), WorkItem(c, 1), WorkItem(d, 1)]
+    c.token_ids.append(7)  # c decodes its pending token, d's chunk stops short of its end
+    d.token_ids.append(8)
+    plan = builder.build(items, [], [])
+    assert plan.samples == [True, True, True, False]
+    assert plan.exact_logits == [1, 2, 3]  # a: row 0; b: rows 1-2 (a draft); c: row 3
 
 
 def test_a_steady_decode_row_sends_no_table() -> None:

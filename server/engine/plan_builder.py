@@ -41,6 +41,7 @@ class PlanBuilder:
         num_drafts, samples, tokens = plan.num_drafts, plan.samples, plan.tokens
         bs = self.block_size
         ranked: int | None = 0  # None once a sampling row reads every token
+        logits_rows = 0  # the step's logits rows before this item's (1 + drafts per sampling row)
         for r, item in enumerate(items):
             seq, start, n, draft = item.seq, item.seq.num_computed, item.num_new, item.draft
             row_ids.append(seq.seq_id)
@@ -48,9 +49,12 @@ class PlanBuilder:
             num_new.append(n)
             num_drafts.append(len(draft))
             samples.append(item.samples)
-            if item.samples and ranked is not None:
+            if item.samples:
+                if seq.request.returns_logprobs:  # computed exactly
+                    plan.exact_logits += range(logits_rows, logits_rows + 1 + len(draft))
+                logits_rows += 1 + len(draft)
                 need = seq.request.ranked_tokens
-                ranked = max(ranked, need) if need else None
+                ranked = None if ranked is None or not need else max(ranked, need)
             if n == 1:
                 tokens.append(seq.token_ids[start])
             else:

@@ -279,6 +279,12 @@ class EngineRequest:
         return self.adapter.key if self.adapter is not None else None
 
     @property
+    def returns_logprobs(self) -> bool:
+        """It asks for its tokens' logprobs: its rows' logits come from an int8 LM head's
+        floating-point weight whole (quantization.head_logits)."""
+        return self.params.logprobs is not None
+
+    @property
     def scores_prompt(self) -> bool:
         """It asks for its prompt's logprobs: its prompt runs at full precision under an int8
         format (model/exact_weights.py), and shares prefix-cache blocks only with such requests."""

@@ -48,6 +48,7 @@ CPU only: every kernel here is a CPU kernel.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -268,10 +269,19 @@ class RescoredInt8Head(torch.nn.Module):
         return f"{type(self).__name__}({self.extra_repr()})"
 
 
-def head_logits(head: torch.nn.Module, x: torch.Tensor, ranked: int = 0) -> torch.Tensor:
-    """`head(x)`; a RescoredInt8Head re-scores as many candidates as `ranked` asks for (every
-    logit with `EXACT_LOGITS`)."""
-    return head(x, ranked) if isinstance(head, RescoredInt8Head) else head(x)
+def head_logits(
+    head: torch.nn.Module, x: torch.Tensor, ranked: int = 0, exact: Sequence[int] = ()
+) -> torch.Tensor:
+    """`head(x)` of rows x [rows, hidden]; a RescoredInt8Head re-scores as many candidates as
+    `ranked` asks for (every logit with `EXACT_LOGITS`), and computes every logit of the rows
+    `exact` from its floating-point weight (rows whose logprobs are returned)."""
+    if not isinstance(head, RescoredInt8Head):
+        return head(x)
+    logits = cast(torch.Tensor, head(x, ranked))
+    if exact:
+        index = torch.tensor(exact, device=x.device)
+        logits.index_copy_(0, index, head(x.index_select(0, index), EXACT_LOGITS))
+    return logits
 
 
 def quantized_lm_head(

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -211,9 +211,9 @@ class ModelRunner:
         """Hidden states [T, hidden] of the packed tokens (eagerly, the compiled step's code)."""
         return decode_forward(self.decoder, input_ids, position_ids, ctx)
 
-    def _logits(self, hidden: torch.Tensor, ranked: int = 0) -> torch.Tensor:
-        """`ranked`: StepPlan.ranked (an int8 head re-scores fewer candidates)."""
-        logits = head_logits(self.lm_head, hidden.to(self.head_dtype), ranked)
+    def _logits(self, x: torch.Tensor, ranked: int = 0, exact: Sequence[int] = ()) -> torch.Tensor:
+        """StepPlan's `ranked` and `exact_logits`, as quantization.head_logits takes them."""
+        logits = head_logits(self.lm_head, x.to(self.head_dtype), ranked, exact)
         if self.tp is not None:  # this rank's vocabulary: the driver gathers every rank's
             logits = self.tp.gather_vocab(logits, self.vocab_size)  # in the head's dtype
         logits = logits.float()
@@ -254,18 +254,19 @@ class ModelRunner:
         tables: list[list[int]],
         tokens: list[int],
         positions: list[int],
-        edit_tokens: Callable[[torch.Tensor], None] = lambda t: None,
-        ranked: int = 0,
+        plan: StepPlan,
+        edit_tokens: Callable[[torch.Tensor], None],
     ) -> torch.Tensor:
-        """Logits [B, V] of B rows that each add `tokens[b]` at `positions[b]` (gather path);
-        `edit_tokens` may change the tokens on the device first."""
+        """Logits [B, V] of B rows that each add `tokens[b]` at `positions[b]` (gather path),
+        read as `plan` asks; `edit_tokens` may change the tokens on the device first."""
         lengths = [p + 1 for p in positions]
         ctx = DecodeStep.build(tables, lengths, self.block_size, self.device)
         input_ids = to_device(tokens, self.device, torch.long).unsqueeze(0)
         edit_tokens(input_ids[0])
         position_ids = to_device(positions, self.device, torch.long).unsqueeze(0)
         ctx.kv = self.kv_cache  # the compiled step takes the pools as an input
-        return self._logits(self.decode_step(input_ids, position_ids, ctx), ranked)
+        hidden = self.decode_step(input_ids, position_ids, ctx)
+        return self._logits(hidden, plan.ranked, plan.exact_logits)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -295,7 +296,7 @@ class ModelRunner:
                 return StepOutput(logits, reused=True)  # the next replay overwrites them
             if self.attention_backend != "triton":  # drafts: one decode query row each
                 inputs = decode_inputs(plan, tables) if decode else verify_inputs(plan, tables)
-                return StepOutput(self._decode_step(*inputs, edit, plan.ranked))
+                return StepOutput(self._decode_step(*inputs, plan, edit))
         return self._execute_packed(plan, tables)
 
     def _standalone(self, plan: StepPlan) -> StepOutput:
@@ -320,4 +321,4 @@ class ModelRunner:
         if not packed.sample_rows:
             return StepOutput(hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scores)
         rows = hidden[packed.sample_index]
-        return StepOutput(self._logits(rows, plan.ranked), scores)
+        return StepOutput(self._logits(rows, plan.ranked, plan.exact_logits), scores)

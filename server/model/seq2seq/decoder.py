@@ -17,6 +17,7 @@ Marian-sized step. The LM head adds the families' `final_logits_bias`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -179,10 +180,12 @@ class Seq2SeqParts:
             return cast(torch.Tensor, table((1, relative.numel()), 0, position_ids=relative))
         return cast(torch.Tensor, table.weights.index_select(0, relative + table.padding_idx + 1))
 
-    def logits(self, head: nn.Module, hidden: torch.Tensor, ranked: int = 0) -> torch.Tensor:
+    def logits(
+        self, head: nn.Module, hidden: torch.Tensor, ranked: int = 0, exact: Sequence[int] = ()
+    ) -> torch.Tensor:
         """The LM head's float32 logits, plus the families' `final_logits_bias` (a zero vector
-        in most checkpoints); `ranked` as quantization.head_logits takes it."""
-        logits = head_logits(head, hidden, ranked).float()
+        in most checkpoints); `ranked` and `exact` as quantization.head_logits takes them."""
+        logits = head_logits(head, hidden, ranked, exact).float()
         if self.bias is None:
             return logits
         return logits + self.bias.to(logits.dtype).view(-1)[: logits.shape[-1]]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -137,8 +138,8 @@ class Seq2SeqRunner(ModelRunner):
         relative = torch.full_like(input_ids, decoded - 1)
         return input_ids, relative, step
 
-    def _logits(self, hidden: torch.Tensor, ranked: int = 0) -> torch.Tensor:
-        return self.parts.logits(self.lm_head, hidden.to(self.head_dtype), ranked)
+    def _logits(self, x: torch.Tensor, ranked: int = 0, exact: Sequence[int] = ()) -> torch.Tensor:
+        return self.parts.logits(self.lm_head, x.to(self.head_dtype), ranked, exact)
 
     def _execute(self, plan: StepPlan, tables: list[list[int]]) -> StepOutput:
         """Write the plan's sources' keys and values, then run its decoder tokens."""

@@ -17,6 +17,7 @@ Tied embeddings scale the decoder's output by d_model ** -0.5 before the LM head
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -102,7 +103,9 @@ class T5Parts(Seq2SeqParts):
             )[0]
         return cast(torch.Tensor, decoder.final_layer_norm(hidden)[0])
 
-    def logits(self, head: nn.Module, hidden: torch.Tensor, ranked: int = 0) -> torch.Tensor:
+    def logits(
+        self, head: nn.Module, hidden: torch.Tensor, ranked: int = 0, exact: Sequence[int] = ()
+    ) -> torch.Tensor:
         if self.scales_output:
             hidden = hidden * self.scale
-        return super().logits(head, hidden, ranked)
+        return super().logits(head, hidden, ranked, exact)
