@@ -494,3 +494,25 @@ def test_an_adapter_whose_first_step_failed_is_installed_with_the_next_plan(
     got = run(engine, [(ids, "qv8")], params)[0]
     assert installs[:2] == [1, 1]  # the failed plan's install, sent again
     assert got.token_ids == hf_greedy(merged_model(llama_dir, path), ids, 6)
+
+
+def test_a_prompt_scored_with_an_adapter_under_w8a8_is_the_merged_models(
+    tiny_model_dirs: dict[str, Path], adapter_dirs: dict[tuple[str, str], Path]
+) -> None:
+    """Prompt scoring runs through the int8 layers' floating-point weights
+    (server/model/exact_weights.py), which the adapters wrap: an adapter's scored prompt is the
+    merged floating-point model's, the base model's beside it the base's."""
+    model_dir, path = tiny_model_dirs["gemma3"], adapter_dirs["gemma3", "all8"]
+    engine = lora_engine(model_dir, {"all8": path}, quantization="w8a8")
+    assert len(engine.runner.exact) > 0
+    ids = engine.tokenizer(PROMPTS[2]).input_ids
+    params = DecodingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    with_adapter, base = run(engine, [(ids, "all8"), (ids, None)], params)
+    for result, model in ((with_adapter, merged_model(model_dir, path)), (base, None)):
+        reference = model if model is not None else hf_reference(model_dir)[0]
+        with torch.no_grad():
+            want = reference(torch.tensor([ids])).logits[0].log_softmax(-1)
+        (scored,) = [o.prompt_logprobs for o in result.outputs if o.prompt_logprobs]
+        got = [entry.logprob for entry in scored[1:] if entry is not None]
+        expected = [want[j - 1, ids[j]].item() for j in range(1, len(ids))]
+        assert got == pytest.approx(expected, abs=1e-4)
