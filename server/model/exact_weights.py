@@ -9,9 +9,10 @@ against the floating-point model: w8a8's decoder moved a token's logprob by 0.11
 activations) by 0.06 (sums up to 0.77); bfloat16 weights by 0.006 (sums up to 0.09). Only the
 weights the exact mode runs keep a choice's log-likelihood where the exact mode puts it.
 
-The floating-point weights cost no memory of their own while nobody scores: without a cache they
-are the loaded model's tensors, kept; with one, a file of the weights cache (weights_cache.py),
-memory-mapped, whose pages the OS reads when a scoring step first needs them and may drop again.
+Where the floating-point weights live: with a cache dir, in a file of the weights cache
+(weights_cache.py), memory-mapped, whose pages the OS reads when a scoring step first needs them
+and may drop again, so they take no memory while nobody scores; without one, in memory (the loaded
+model's tensors, kept rather than freed).
 
 Each int8 layer gets two hooks for the length of such a step (none otherwise, so the compiled
 decode step never sees them): before it, the layer's input loses the exact tokens; after it, their
