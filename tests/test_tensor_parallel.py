@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
 
 from decoding import DecodingParams
 from server.api.app import create_app
@@ -369,3 +370,26 @@ def test_each_rank_pools_its_share_of_the_kv_heads(gemma_dir: Path) -> None:
     layouts = [KVLayout.of(model, 16, torch.float32, ranks=n) for n in (1, 2, 4)]
     assert [layout.kv_heads for layout in layouts] == [2, 1, 1]
     assert layouts[1].bytes_per_block * 2 == layouts[0].bytes_per_block
+
+
+async def test_a_prompt_scored_on_two_int8_ranks_is_the_floating_point_models(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """w8a8 split over two ranks: each rank runs a scoring prompt's tokens through its shard's
+    floating-point weights (the plan's exact rows reach every rank), and the LM head scores them
+    from its floating-point weight, so `echo` with logprobs is the whole fp32 model's within
+    LOGPROB_TOLERANCE."""
+    ctx = start(config(llama_dir, 2, quantization="w8a8", dtype="auto", cache_dir=str(tmp_path)))
+    try:
+        ids = ctx.tokenizer(PROMPT).input_ids
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+        response = await post_to(ctx, "/v1/completions", body)
+    finally:
+        ctx.engine.shutdown()
+    assert response.status_code == 200, response.text
+    scored = response.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids)]
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    expected = [want[j - 1, ids[j]].item() for j in range(1, len(ids))]
+    assert scored == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
