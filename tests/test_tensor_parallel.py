@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from server.config import ServerConfig
 from server.model.kv_pool import KVLayout
 from server.model.loader import resolve_model_dir
 from server.model.weights import text_config
+from server.parallel import group
 from server.parallel.shard import TPConfigError, check_tp_size
 from server.process.client import EngineProcessClient
 from tests.lora_adapters import make_adapter
@@ -393,3 +395,19 @@ async def test_a_prompt_scored_on_two_int8_ranks_is_the_floating_point_models(
         want = model(torch.tensor([ids])).logits[0].log_softmax(-1)
     expected = [want[j - 1, ids[j]].item() for j in range(1, len(ids))]
     assert scored == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+
+
+def test_a_rendezvous_port_is_free_and_below_the_ephemeral_range(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The driver binds its rendezvous port seconds after choosing it: below the ephemeral range
+    no outgoing connection takes it meanwhile."""
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t60999\n")
+    monkeypatch.setattr(group, "EPHEMERAL_RANGE", ranges)
+    ports = {group.free_port() for _ in range(20)}
+    assert all(40000 - group.RENDEZVOUS_PORTS <= p < 40000 for p in ports) and len(ports) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free indeed
+    monkeypatch.setattr(group, "EPHEMERAL_RANGE", tmp_path / "absent")
+    assert 32768 - group.RENDEZVOUS_PORTS <= group.free_port() < 32768

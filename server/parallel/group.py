@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,29 @@ DRIVER = 0
 COLLECTIVE_TIMEOUT = timedelta(minutes=20)
 
 
+# Ports a rendezvous takes: the 12,000 below the OS's ephemeral range, where no outgoing connection
+# takes its port. A port found free is bound only seconds later (when the driver has started its
+# ranks); one from the ephemeral range could be taken by any connection in between (seen in the
+# tests: EADDRINUSE).
+RENDEZVOUS_PORTS = 12_000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
+    """A port nothing on this host listens on now, below the ephemeral range where one is free
+    there (any free port else)."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    candidates = range(max(1024, low - RENDEZVOUS_PORTS), low)
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
