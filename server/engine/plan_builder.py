@@ -64,7 +64,7 @@ class PlanBuilder:
                 span = item.score
                 targets = seq.token_ids[span.start + 1 : span.stop + 1]
                 plan.scores.append(PlanScore(r, span.start, span.stop, span.num_top, targets))
-            if seq.request.scores_prompt and start < seq.prompt_len:
+            if start < seq.prompt_len and seq.request.scores_prompt:  # a prefill chunk first
                 plan.exact.append(r)
             table, sent = seq.block_table, seq.model_table
             if sent is None:

@@ -216,6 +216,9 @@ class EngineRequest:
     finishing_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
     # how many likeliest tokens its choice reads (decoding.ranked_tokens; 0: all of them)
     ranked_tokens: int = 0
+    # it asks for its tokens' logprobs: its rows' logits come from an int8 LM head's
+    # floating-point weight whole (quantization.head_logits)
+    returns_logprobs: bool = False
     # prompt logprobs, when asked for: one per prompt token scored so far (the first is None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
@@ -239,6 +242,7 @@ class EngineRequest:
         self.finishing_ids = params.finishing_ids(eos_ids)
         ranked = ranked_tokens(params)
         self.ranked_tokens = 0 if ranked is None or self.constraint is not None else ranked
+        self.returns_logprobs = params.logprobs is not None
         self.stream_key = stream_key(params.seed) if params.seed is not None else random_key()
         if params.is_beam:
             room = max_model_len - len(self.prompt_ids)
@@ -277,12 +281,6 @@ class EngineRequest:
     def adapter_key(self) -> str | None:
         """Prefix-cache blocks are shared only with requests of the same adapter (and load)."""
         return self.adapter.key if self.adapter is not None else None
-
-    @property
-    def returns_logprobs(self) -> bool:
-        """It asks for its tokens' logprobs: its rows' logits come from an int8 LM head's
-        floating-point weight whole (quantization.head_logits)."""
-        return self.params.logprobs is not None
 
     @property
     def scores_prompt(self) -> bool:

@@ -56,19 +56,23 @@ def load_layers(entry: Path) -> Layers | None:
     if not entry.is_file():
         return None
     try:
-        loaded = torch.load(entry, mmap=True, weights_only=True)
-        return {name: (q, scales, exact) for name, (q, scales, exact) in loaded.items()}
+        return _mapped(entry)
     except Exception as error:  # a truncated or foreign file: quantize again, and rewrite it
         log.warning("cannot read the cached int8 weights %s (%s): quantizing again", entry, error)
         return None
+
+
+def _mapped(entry: Path) -> Layers:
+    loaded = torch.load(entry, mmap=True, weights_only=True)
+    return {name: (q, scales, exact) for name, (q, scales, exact) in loaded.items()}
 
 
 def save_layers(entry: Path, layers: Layers) -> Layers | None:
     """Write `layers` as `entry` and map it back (so the caller can let its own copies go);
     None when it cannot be written."""
     with entry_lock(entry):
-        if (done := load_layers(entry)) is not None:  # another process wrote it meanwhile
-            return done
+        with contextlib.suppress(Exception):  # another process wrote it meanwhile (no warning:
+            return _mapped(entry)  # an unreadable entry was reported already, and is replaced)
         partial = partial_path(entry)
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)
