@@ -12,6 +12,7 @@ from server.model.quantization import (
     RESCORED_CANDIDATES,
     WEIGHT_ONLY,
     WEIGHT_ONLY_UNDER_W8A8,
+    WEIGHT_ONLY_UNSMOOTHED,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
     RescoredInt8Head,
@@ -93,13 +94,22 @@ class _MLP(nn.Module):
 def test_w8a8_keeps_down_proj_weight_only_and_quantizes_the_rest() -> None:
     model = nn.ModuleDict({"q_proj": nn.Linear(64, 32), "mlp": _MLP(64, 128), "odd": _MLP(64, 24)})
     assert quantize_w8a8(model, torch.device("cpu")) == 4
-    assert isinstance(model["q_proj"], Int8WeightOnlyLinear)  # its input has outlier channels
+    assert isinstance(model["q_proj"], Int8DynamicLinear)  # smoothed where calibrated
     assert isinstance(model["mlp"].up_proj, Int8DynamicLinear)
     assert isinstance(model["mlp"].down_proj, Int8WeightOnlyLinear)
     assert isinstance(model["odd"].up_proj, Int8DynamicLinear)
     assert (
         type(model["odd"].down_proj) is nn.Linear
     )  # K = 24: the weight-only kernel can't, float stays
+
+
+def test_unsmoothed_w8a8_keeps_the_attention_inputs_weight_only() -> None:
+    """An encoder-decoder model's w8a8 is not smoothed: q/k/v stay weight-only, as before."""
+    model = nn.ModuleDict({"q_proj": nn.Linear(64, 32), "mlp": _MLP(64, 128)})
+    assert quantize_w8a8(model, torch.device("cpu"), WEIGHT_ONLY_UNSMOOTHED) == 3
+    assert isinstance(model["q_proj"], Int8WeightOnlyLinear)
+    assert isinstance(model["mlp"].down_proj, Int8WeightOnlyLinear)
+    assert isinstance(model["mlp"].up_proj, Int8DynamicLinear)
 
 
 def test_w8a8_all_runs_every_layer_as_an_integer_gemm() -> None:

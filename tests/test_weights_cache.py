@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import server.model.weights as weights
 import server.model.weights_cache as weights_cache
 from server.model.exact_weights import ExactWeights
 from server.model.quantization import Int8Linear
@@ -39,6 +40,14 @@ def model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
 
 
 @pytest.fixture
+def calibrations(monkeypatch: pytest.MonkeyPatch) -> Counted:
+    """The input scales' measurement (smoothing.py), counted."""
+    calibrate = Counted(weights.calibrate)
+    monkeypatch.setattr(weights, "calibrate", calibrate)
+    return calibrate
+
+
+@pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> Counted:
     """The weights cache's quantizer, counting the layers it quantizes."""
     quantize = Counted(weights_cache.quantize_per_channel)
@@ -51,7 +60,12 @@ def int8_state(weights: ServingWeights) -> dict[str, torch.Tensor]:
         name: tensor
         for name, layer in weights.model.named_modules()
         if isinstance(layer, Int8Linear)
-        for name, tensor in ((f"{name}.q", layer.weight_int8), (f"{name}.s", layer.scales))
+        for name, tensor in (
+            (f"{name}.q", layer.weight_int8),
+            (f"{name}.s", layer.scales),
+            (f"{name}.d", getattr(layer, "input_scales", None)),
+        )
+        if tensor is not None
     }
 
 
@@ -72,23 +86,30 @@ def logits_of(weights: ServingWeights, ids: list[int]) -> torch.Tensor:
 
 
 def test_a_later_start_reads_the_int8_layers_instead_of_quantizing(
-    model_dir: Path, tmp_path: Path, counted: Counted, caplog: pytest.LogCaptureFixture
+    model_dir: Path,
+    tmp_path: Path,
+    counted: Counted,
+    calibrations: Counted,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     plain = load(model_dir, None)
     made = counted.calls
     assert made > 1  # every decoder layer and the head
+    assert calibrations.calls == 1
     caplog.set_level(logging.INFO)
     first = load(model_dir, tmp_path)
-    assert counted.calls == 2 * made
+    assert counted.calls == 2 * made and calibrations.calls == 2
     (entry,) = tmp_path.glob("*.pt")
     assert "int8 weights kept for later starts" in caplog.text
     caplog.clear()
     later = load(model_dir, tmp_path)
     assert counted.calls == 2 * made  # nothing quantized again
+    assert calibrations.calls == 2  # nor measured: the input scales are the entry's
     assert f"int8 weights of {made} layers read from {entry}" in caplog.text
     for state in (int8_state(first), int8_state(later)):
         assert state.keys() == int8_state(plain).keys()
         assert all(torch.equal(t, int8_state(plain)[k]) for k, t in state.items())
+    assert any(name.endswith(".d") for name in int8_state(later))  # the input scales too
     ids = [2, 17, 5, 40, 33, 8]
     torch.testing.assert_close(logits_of(later, ids), logits_of(plain, ids), atol=0, rtol=0)
     # the floating-point weights: the model's own, mapped from the entry's file on both starts

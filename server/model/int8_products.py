@@ -21,26 +21,38 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 QUANTIZED_BLOCK = 1 << 20  # weights per pass (4 MB of float32): in the CPU's caches throughout
-# a float weight [out, in] -> its int8 weight and per-output-channel scales (weights_cache.py
-# gives one that reads them from a cache entry)
-Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class Quantize(Protocol):
+    """A float weight [out, in] (its columns first multiplied by `divisor`, when given: the
+    input scales of smoothing.py) -> its int8 weight and per-output-channel scales.
+    weights_cache.py gives one that reads them from a cache entry."""
+
+    def __call__(
+        self, weight: torch.Tensor, divisor: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def quantize_per_channel(
+    weight: torch.Tensor, divisor: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 weights [out, in] and their float32 per-output-channel scales, a block
     of rows at a time. Over the whole matrix at once, each op a pass over memory, Gemma 3's LM
-    head (262k x 640) took 0.78 s at every start; in blocks 0.11 s (2-core AMD EPYC)."""
+    head (262k x 640) took 0.78 s at every start; in blocks 0.11 s (2-core AMD EPYC).
+    `divisor` [in]: quantize `weight * divisor` (each column multiplied) instead."""
     weight = weight.detach()
     scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     step = max(1, QUANTIZED_BLOCK // max(1, weight.shape[1]))
     for start in range(0, weight.shape[0], step):
         rows = weight[start : start + step].float()
+        if divisor is not None:
+            rows = rows * divisor.float()
         scale = rows.abs().amax(dim=1).clamp_(min=1e-12).div_(127)
         scales[start : start + step] = scale
         scaled = torch.div(rows, scale[:, None])  # a new block: `weight` stays as it was

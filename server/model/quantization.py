@@ -15,12 +15,14 @@ times int8 activations with one scale per token, quantized on the fly (`torch._i
 AVX-512 CPUs). At 16 rows this is about twice as fast as the weight-only kernel, which converts
 every weight to floating point and is compute-bound there. A per-*token* scale keeps each row's
 result independent of its batch-mates (the int32 sums are exact) and costs far less accuracy than a
-per-tensor one. Four projections stay weight-only, because their inputs carry outlier channels:
-the MLP's `down_proj` (the gated GELU product; quantizing it too raised perplexity from 32.7 to
-34.1 on the bundled text) and the attention's `q_proj`, `k_proj` and `v_proj` (the normed hidden
-state: with them weight-only, perplexity went from 32.50 to 31.97 against fp32's 32.01; `q_proj`
-alone gave 32.15, `k_proj` and `v_proj` alone 32.65). The MLP's wide `gate_proj` and `up_proj`,
-most of the decoder's weights, keep the integer GEMM.
+per-tensor one. Each integer layer's input is first divided by per-channel scales measured at
+quantization (smoothing.py, SmoothQuant's), which moves the outlier channels of a language
+model's activations (Gemma's normed hidden state, what `q_proj`, `k_proj` and `v_proj` read) into
+the weights; without them those three had to stay weight-only for accuracy. The MLP's
+`down_proj` (the gated GELU product) stays weight-only: quantizing its input cost 1-1.5% of
+perplexity even smoothed (smoothing.py has the figures). Causal LMs only: an encoder-decoder
+model's `w8a8` runs its q/k/v weight-only, unsmoothed, as before (the scales would need a source
+and a target to measure on), and `w8a8-all` is its fast format.
 
 `w8a8-all` runs every decoder linear layer as an integer GEMM, those four too, and an
 encoder-decoder model's encoder's as well: what CTranslate2's int8 compute type does. It trades
@@ -47,8 +49,9 @@ CPU only: every kernel here is a CPU kernel.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -65,9 +68,12 @@ from server.model.int8_products import (
 
 log = logging.getLogger(__name__)
 
-# Linear layers whose input has outlier channels that a per-token int8 scale would flatten:
-# under `w8a8` they keep int8 weights with floating-point activations.
-WEIGHT_ONLY_UNDER_W8A8 = frozenset({"q_proj", "k_proj", "v_proj", "down_proj"})
+# Linear layers whose input has outlier channels that a per-token int8 scale would flatten even
+# smoothed: under `w8a8` they keep int8 weights with floating-point activations.
+WEIGHT_ONLY_UNDER_W8A8 = frozenset({"down_proj"})
+# An encoder-decoder model's `w8a8` is not smoothed (smoothing.py): its attention's input
+# projections stay weight-only too.
+WEIGHT_ONLY_UNSMOOTHED = WEIGHT_ONLY_UNDER_W8A8 | {"q_proj", "k_proj", "v_proj"}
 # the layers each integer-GEMM format keeps weight-only
 WEIGHT_ONLY = {"w8a8": WEIGHT_ONLY_UNDER_W8A8, "w8a8-all": frozenset[str]()}
 
@@ -122,11 +128,33 @@ class Int8DynamicLinear(Int8Linear):
 
     Each row is quantized with its own scale, so a row's result never depends on the other rows of
     the batch; the weight is kept [out, in] and read through a transposed view, the layout in which
-    `torch._int_mm` is fastest on the CPU.
+    `torch._int_mm` is fastest on the CPU. `divisor` [in]: the input's per-channel scales
+    (smoothing.py); the weight is quantized with its columns multiplied by them, and each input
+    multiplied by their inverse.
     """
+
+    input_scales: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        quantize: Quantize = quantize_per_channel,
+        divisor: torch.Tensor | None = None,
+    ) -> None:
+        smoothed = quantize if divisor is None else functools.partial(quantize, divisor=divisor)
+        super().__init__(weight, bias, smoothed)
+        inverse = None if divisor is None else divisor.float().reciprocal()
+        self.register_buffer("input_scales", inverse)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        weight = super().dequantized_weight()
+        return weight if self.input_scales is None else weight * self.input_scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
+        if self.input_scales is not None:
+            flat = flat * self.input_scales
         row_scales = flat.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
         # |x| / scale <= 127 (up to rounding far below .5): no clamp needed before int8
         q = flat.div(row_scales).round_().to(torch.int8)
@@ -165,10 +193,12 @@ def quantize_w8a8(
     weight_only: frozenset[str] = WEIGHT_ONLY_UNDER_W8A8,
     part: str = "decoder",
     quantize: Quantize = quantize_per_channel,
+    divisor: Callable[[torch.Tensor], torch.Tensor | None] = lambda _weight: None,
 ) -> int:
     """Replace the linear layers under `module` (a decoder, or an encoder-decoder model's
     encoder under w8a8-all) by Int8DynamicLinear, except those named in `weight_only`, which
-    become Int8WeightOnlyLinear; returns the count of both. `part`: what the log line calls it."""
+    become Int8WeightOnlyLinear; returns the count of both. `part`: what the log line calls it.
+    `divisor`: a layer's input scales (smoothing.py) by its float weight, or None."""
     if device.type != "cpu":
         raise ValueError("w8a8 runs on the CPU only; use --dtype bfloat16 on CUDA")
     kept = replace_linears(
@@ -178,14 +208,18 @@ def quantize_w8a8(
     )
     dynamic = replace_linears(
         module,
-        lambda layer: Int8DynamicLinear(layer.weight, layer.bias, quantize),
+        lambda layer: Int8DynamicLinear(layer.weight, layer.bias, quantize, divisor(layer.weight)),
         lambda name, _layer: name not in weight_only,  # an unsupported down_proj stays float
     )
+    smoothed = sum(
+        isinstance(m, Int8DynamicLinear) and m.input_scales is not None for m in module.modules()
+    )
     log.info(
-        "%s quantized: %d linear layers with int8 weights and int8 per-token activations, "
-        "%d weight-only (%s)",
+        "%s quantized: %d linear layers with int8 weights and int8 per-token activations "
+        "(%d with input scales), %d weight-only (%s)",
         part,
         dynamic,
+        smoothed,
         kept,
         ", ".join(sorted(weight_only)) or "none",
     )

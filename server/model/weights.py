@@ -20,11 +20,13 @@ from server.model.lora.files import target_modules
 from server.model.lora.modules import LoRAModules
 from server.model.quantization import (
     WEIGHT_ONLY,
+    WEIGHT_ONLY_UNSMOOTHED,
     quantize_decoder_weights,
     quantize_w8a8,
     quantized_lm_head,
 )
-from server.model.weights_cache import Quantizer, load_layers, save_layers, weights_entry
+from server.model.smoothing import calibrate
+from server.model.weights_cache import Layers, Quantizer, load_layers, save_layers, weights_entry
 from server.parallel.group import TPGroup
 from server.parallel.shard import reduce_row_parallel, shard_model
 
@@ -84,15 +86,22 @@ def load_serving_weights(
     model.eval()
     lora_targets = target_modules(model)  # whole shapes, before splitting and quantization
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    sharded = shard_model(model, tp) if tp is not None else None
-    model = model.to(device)  # type: ignore[arg-type]  # transformers' .to() stub loses self
-    decoder = model.get_decoder()
     entry = None
     if weights_cache is not None and quantization != "none":
         ranks = f"rank {tp.rank} of {tp.size}" if tp else "none"
         form = {"quantization": quantization, "dtype": str(dtype), "tensor_parallel": ranks}
         entry = weights_entry(weights_cache, model_dir, form)
-    lm_head, exact = _quantize(model, device, quantization, entry)
+    stored = load_layers(entry) if entry is not None else None
+    divisors = {}  # the input scales of w8a8's integer layers, measured on the whole model
+    if quantization == "w8a8" and stored is None and not is_seq2seq(config):
+        cache_dir = weights_cache.parent if weights_cache is not None else None
+        divisors = calibrate(model, model.get_decoder(), _smoothed, model_dir, cache_dir)
+    sharded = shard_model(model, tp) if tp is not None else None
+    if sharded is not None:  # a row-parallel layer keeps its columns' scales
+        divisors = sharded.kept_columns(model, divisors)
+    model = model.to(device)  # type: ignore[arg-type]  # transformers' .to() stub loses self
+    decoder = model.get_decoder()
+    lm_head, exact = _quantize(model, device, quantization, entry, stored, divisors)
     lm_head, layout = apply_linear_layout(
         decoder, lm_head, linear_layout, device, compiled=compiled
     )
@@ -118,12 +127,23 @@ def load_serving_weights(
     return ServingWeights(model, lm_head, vocab_size, layout, lora, exact)
 
 
+def _smoothed(name: str) -> bool:
+    """Whether `w8a8` runs the layer of this attribute name as a smoothed integer GEMM."""
+    return name not in WEIGHT_ONLY["w8a8"]
+
+
 def _quantize(
-    model: PreTrainedModel, device: torch.device, quantization: str, entry: Path | None
+    model: PreTrainedModel,
+    device: torch.device,
+    quantization: str,
+    entry: Path | None,
+    stored: Layers | None,
+    divisors: dict[torch.nn.Linear, torch.Tensor],
 ) -> tuple[torch.nn.Module, ExactWeights]:
     """Quantize the model's layers as `quantization` says, in place, taking the int8 weights
-    `entry` holds (and writing it when it holds none); returns the LM head to run and the
-    floating-point weights of the decoder's int8 layers (exact_weights.py)."""
+    `stored` holds (the entry's; writing `entry` when there were none), each layer of `divisors`
+    with those input scales; returns the LM head to run and the floating-point weights of the
+    decoder's int8 layers (exact_weights.py)."""
     head = model.get_output_embeddings()
     if quantization == "none":
         return head, ExactWeights({})
@@ -132,26 +152,31 @@ def _quantize(
         parts["encoder"] = model.get_encoder()
     names = {id(head.weight): "lm_head"}
     floats: dict[str, torch.Tensor] = {}  # the decoder's, by name: what prompt scoring reads
+    scales: dict[str, torch.Tensor] = {}
     for part, module in parts.items():
         for name, layer in module.named_modules():
             if isinstance(layer, torch.nn.Linear):
                 names[id(layer.weight)] = f"{part}.{name}"
                 if part == "decoder":
                     floats[f"{part}.{name}"] = layer.weight.detach()
-    stored = load_layers(entry) if entry is not None else None
-    quantize = Quantizer(names, stored)
+                if layer in divisors:
+                    scales[f"{part}.{name}"] = divisors[layer]
+    quantize = Quantizer(names, stored, scales)
     lm_head = quantized_lm_head(head, device, quantization, quantize)
+    weight_only = WEIGHT_ONLY.get(quantization, frozenset())
+    if is_seq2seq(model.config) and quantization == "w8a8":
+        weight_only = WEIGHT_ONLY_UNSMOOTHED
     for part, module in parts.items():
         if quantization == "int8-weights":
             quantize_decoder_weights(module, device, quantize)
         elif quantization in WEIGHT_ONLY:  # `int8` quantizes the LM head alone
-            quantize_w8a8(module, device, WEIGHT_ONLY[quantization], part, quantize)
+            quantize_w8a8(module, device, weight_only, part, quantize, quantize.divisor)
     if quantize.loaded:
         log.info("int8 weights of %d layers read from %s", quantize.loaded, entry)
     if entry is not None and stored is None:  # a first start: keep them, and map them back
-        made = {name: (q, s, floats.get(name)) for name, (q, s) in quantize.made.items()}
+        made = {name: (q, s, floats.get(name), d) for name, (q, s, d) in quantize.made.items()}
         stored = save_layers(entry, made)
     if stored is not None:  # the floating-point weights: the entry's, memory-mapped
-        floats = {name: exact for name, (_, _, exact) in stored.items() if exact is not None}
+        floats = {name: exact for name, (_, _, exact, _) in stored.items() if exact is not None}
     layers = {f"decoder.{name}": layer for name, layer in int8_layers(parts["decoder"]).items()}
     return lm_head, ExactWeights({layer: floats[n] for n, layer in layers.items() if n in floats})

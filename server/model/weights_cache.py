@@ -1,5 +1,6 @@
 """A quantized model's int8 layers kept on disk between starts (`<cache_dir>/weights/`): each
-layer's int8 weight and scales, so that a later start does not quantize again, and its
+layer's int8 weight and scales, so that a later start does not quantize again, its input scales
+where it has them (smoothing.py: a later start does not measure them again either), and its
 floating-point weight, which prompt scoring reads (exact_weights.py).
 
 An entry is loaded memory-mapped: its pages are the file's, read when first touched. The int8
@@ -28,8 +29,9 @@ from server.model.compile_cache import WEIGHT_SUFFIXES, entry_lock, partial_path
 from server.model.int8_products import quantize_per_channel
 
 log = logging.getLogger(__name__)
-# name -> (int8 weight, per-output-channel scales, floating-point weight or None)
-Layers = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+# name -> (int8 weight, per-output-channel scales, floating-point weight or None, the input
+# scales' divisor or None)
+Layers = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
 
 
 def weights_entry(directory: Path, model_dir: Path, identity: dict[str, str]) -> Path:
@@ -44,7 +46,8 @@ def weights_entry(directory: Path, model_dir: Path, identity: dict[str, str]) ->
             digest.update(f"\n{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     parts = {**identity, "torch": torch.__version__}
     code = Path(__file__).parent
-    for name in ("quantization.py", "int8_products.py", "weights_cache.py"):
+    sources = ("quantization.py", "int8_products.py", "smoothing.py", "calibration_text.txt")
+    for name in (*sources, "weights_cache.py"):
         parts[name] = hashlib.sha256(code.joinpath(name).read_bytes()).hexdigest()
     for key, value in sorted(parts.items()):
         digest.update(f"\n{key}={value}".encode())
@@ -64,7 +67,7 @@ def load_layers(entry: Path) -> Layers | None:
 
 def _mapped(entry: Path) -> Layers:
     loaded = torch.load(entry, mmap=True, weights_only=True)
-    return {name: (q, scales, exact) for name, (q, scales, exact) in loaded.items()}
+    return {name: (q, s, exact, divisor) for name, (q, s, exact, divisor) in loaded.items()}
 
 
 def save_layers(entry: Path, layers: Layers) -> Layers | None:
@@ -90,20 +93,34 @@ def save_layers(entry: Path, layers: Layers) -> Layers | None:
 class Quantizer:
     """`quantize_per_channel` by layer: a layer the entry holds is taken from it (`loaded`),
     any other is quantized and kept (`made`). `names`: each layer's name by its float weight's
-    id."""
+    id; `divisors`: the input scales measured for this start (smoothing.py), by name."""
 
-    def __init__(self, names: dict[int, str], stored: Layers | None) -> None:
-        self.names, self.stored = names, stored or {}
-        self.made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(
+        self,
+        names: dict[int, str],
+        stored: Layers | None,
+        divisors: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.names, self.stored, self.divisors = names, stored or {}, divisors or {}
+        self.made: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.loaded = 0
 
-    def __call__(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def divisor(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The input scales of the layer of `weight`: the entry's, or this start's."""
+        name = self.names.get(id(weight))
+        if name is not None and name in self.stored:
+            return self.stored[name][3]
+        return self.divisors.get(name) if name is not None else None
+
+    def __call__(
+        self, weight: torch.Tensor, divisor: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         name = self.names.get(id(weight))
         if name is not None and name in self.stored:
             self.loaded += 1
-            q, scales, _ = self.stored[name]
+            q, scales, _, _ = self.stored[name]
             return q, scales
-        q, scales = quantize_per_channel(weight)
+        q, scales = quantize_per_channel(weight, divisor)
         if name is not None:
-            self.made[name] = (q, scales)
+            self.made[name] = (q, scales, divisor)
         return q, scales

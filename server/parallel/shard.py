@@ -100,6 +100,18 @@ class ShardedModel:
             return len(self.columns[path]), out_features
         return in_features, out_features
 
+    def kept_columns(
+        self, model: nn.Module, per_input: dict[nn.Linear, torch.Tensor]
+    ) -> dict[nn.Linear, torch.Tensor]:
+        """`per_input` (a vector over each layer's input features, measured before splitting)
+        with each row-parallel layer's vector cut to the columns this rank keeps."""
+        paths = {module: path for path, module in model.named_modules()}
+        cut = {layer: self.columns.get(paths.get(layer, "")) for layer in per_input}
+        return {
+            layer: vector if cut[layer] is None else vector[cut[layer]]
+            for layer, vector in per_input.items()
+        }
+
     def shard_adapter(
         self, path: str, a: torch.Tensor, b: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
