@@ -1,8 +1,11 @@
 """Accuracy of the fast weight formats against fp32: perplexity on a bundled text, greedy agreement.
 
     python -m benchmarks.accuracy [--model M] [--formats fp32,bf16,int8] [--prompts 8 --tokens 32]
+        [--more-text docs/guides]
 
-Perplexity runs the model over `benchmarks/accuracy_text.txt` in one forward pass. Greedy agreement
+Perplexity runs the model over `benchmarks/accuracy_text.txt` in one forward pass (about 400 of
+Gemma's tokens: formats closer than about 1% do not separate on it); `--more-text` adds the pooled
+perplexity of longer text, one forward per 6,000 characters. Greedy agreement
 runs our engine on the bundled prompts with each format and counts, per prompt, how many leading
 tokens equal the fp32 engine's (a format that flips one early token drifts from there on, so the
 "first divergence" is the honest measure), plus the share of prompts whose whole output is equal.
@@ -31,6 +34,7 @@ from server.model.runner import ModelRunner
 
 HERE = Path(__file__).resolve().parent
 TOP_RANKED = 8  # the tokens a beam search of 4 ranks per row
+CHUNK_CHARS = 6000  # --more-text's pieces: about 1.5k tokens each
 FORMATS = {
     "fp32": (torch.float32, "none"),
     "bf16": (torch.bfloat16, "none"),
@@ -79,6 +83,28 @@ def perplexity(runner: ModelRunner, tokenizer, text: str) -> tuple[float, tuple[
     return math.exp(float(nll)), worst_ranks
 
 
+def text_chunks(paths: list[Path], chars: int = CHUNK_CHARS) -> list[str]:
+    """The files named (a folder: its *.md and *.txt files, sorted), cut into pieces of `chars`
+    characters: one forward each."""
+    files = [
+        f
+        for path in paths
+        for f in (sorted([*path.glob("*.md"), *path.glob("*.txt")]) if path.is_dir() else [path])
+    ]
+    text = "\n".join(f.read_text() for f in files)
+    return [text[i : i + chars] for i in range(0, len(text), chars)]
+
+
+def pooled_perplexity(runner: ModelRunner, tokenizer, texts: list[str]) -> float:
+    """exp(mean next-token NLL) over every token of every text (each its own forward)."""
+    total = count = 0.0
+    for text in texts:
+        tokens = len(tokenizer(text).input_ids) - 1
+        total += math.log(perplexity(runner, tokenizer, text)[0]) * tokens
+        count += tokens
+    return math.exp(total / count)
+
+
 def greedy_outputs(
     runner: ModelRunner, tokenizer, prompts: list[str], tokens: int
 ) -> tuple[list[list[int]], float]:
@@ -117,7 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--more-text",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="files or folders (their *.md, *.txt) whose pooled perplexity is reported too: "
+        "a longer text than the bundled one separates formats better",
+    )
     args = parser.parse_args(argv)
+    more_text = text_chunks(args.more_text) if args.more_text else []
     torch.manual_seed(0)
     model_dir = resolve_model_dir(args.model)
     prompts = load_prompts(args.prompts)
@@ -148,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             "perplexity": round(ppl, 4),
             "greedy_tok_s_batch": round(tok_s, 1),
         }
+        if more_text:
+            pooled = pooled_perplexity(runner, tokenizer, more_text)
+            entry["perplexity_more_text"] = round(pooled, 4)
         if worst_ranks is not None:
             entry["worst_int8_rank_of_top_token"] = worst_ranks[0]
             entry[f"worst_int8_rank_of_top_{TOP_RANKED}"] = worst_ranks[1]

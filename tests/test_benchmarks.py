@@ -658,8 +658,12 @@ def test_accuracy_reports_perplexity_agreement_and_the_int8_rank(
     llama_dir: Path, tmp_path: Path
 ) -> None:
     argv = ["--model", str(llama_dir), "--formats", "fp32,int8,w8a8", "--prompts", "2"]
-    assert accuracy.main([*argv, "--tokens", "4", "--out-dir", str(tmp_path)]) == 0
+    bundled = accuracy.HERE / "accuracy_text.txt"  # one piece: its pooled perplexity is its own
+    argv += ["--tokens", "4", "--out-dir", str(tmp_path), "--more-text", str(bundled)]
+    assert accuracy.main(argv) == 0
     report = json.loads((tmp_path / "accuracy.json").read_text())
+    for name in ("fp32", "w8a8"):
+        assert report[name]["perplexity_more_text"] == report[name]["perplexity"]
     assert set(report) == {"fp32", "int8", "w8a8", "command", "machine"}
     assert report["command"].startswith("python -m benchmarks.accuracy --model ")
     assert "--out-dir" not in report["command"]
