@@ -15,11 +15,13 @@ The division is a multiply by a per-channel constant that the compiled decode st
 input's quantization; the weight is quantized already multiplied. The scales are kept with the
 int8 weights (weights_cache.py), so a later start neither calibrates nor quantizes.
 
-On Gemma 3 270M (2026-11-29, fp32 LM head; perplexity on the accuracy text / on 16k tokens of the
-docs' guides, fp32: 32.02 / 33.23): q/k/v weight-only and the rest plain integer GEMMs (the
-previous `w8a8`) 32.30 / 33.58; every layer a plain integer GEMM 32.88 / 34.39; every layer but
-`down_proj` smoothed (what `w8a8` now runs) 31.86 / 33.33; `down_proj` smoothed too (ALPHA 0.5,
-0.7; its own ALPHA 0.85, 0.95) 32.34-32.75 / 33.52-33.70, so `down_proj` stays weight-only.
+Measured on Gemma 3 270M while choosing what to smooth (2026-11-29, a script, the fp32 LM head;
+perplexity on the accuracy text / on 16k tokens of the docs' guides, fp32 32.02 / 33.23): q/k/v
+weight-only and the rest plain integer GEMMs (the previous `w8a8`) 32.30 / 33.58; every layer a
+plain integer GEMM 32.88 / 34.39; every layer but `down_proj` smoothed (what `w8a8` now runs)
+31.86 / 33.33; `down_proj` smoothed too (ALPHA 0.5 or 0.7 for all; 0.85 or 0.95 for it alone)
+32.34-32.75 / 33.52-33.70, so `down_proj` stays weight-only. The served formats' figures are in
+docs/guides/tuning.md.
 """
 
 from __future__ import annotations
