@@ -55,13 +55,12 @@ class ServerConfig(LoRASettings, ParallelSettings):
     quantization: Quantization = Field(
         "auto",
         description="CPU only. int8: int8 LM head; int8-weights: also weight-only int8 decoder "
-        "layers; w8a8: int8 LM head, decoder layers as int8 x int8 GEMMs (per-token activation "
-        "scales, input scales measured at quantization), down_proj weight-only; w8a8-all: "
-        "every decoder (and encoder) layer an int8 GEMM (CTranslate2's int8: faster, less "
-        "accurate); every int8 head re-scores each row's top candidates exactly; auto = w8a8 on "
-        "a CPU with int8 dot-product instructions (VNNI, AMX) when dtype is auto, else none "
-        "(--dtype float32 is the exact mode); encoder-decoder models: none under auto, an int8 "
-        "format only when named",
+        "layers; w8a8: int8 LM head, decoder layers as int8 x int8 GEMMs (per-token and measured "
+        "input scales), down_proj weight-only; w8a8-all: every decoder (and encoder) layer an "
+        "int8 GEMM (CTranslate2's int8: faster, less accurate); every int8 head re-scores each "
+        "row's top candidates exactly; auto = w8a8 on a CPU with int8 dot-product instructions "
+        "(VNNI, AMX) when dtype is auto, else none (--dtype float32 is the exact mode); "
+        "encoder-decoder models: none under auto, an int8 format only when named",
     )
     linear_layout: Literal["auto", "onednn", "measured", "transposed", "native"] = Field(
         "auto",
