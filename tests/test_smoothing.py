@@ -58,7 +58,7 @@ def test_calibration_measures_every_smoothed_layers_input(
     model_dir = tiny_model_dirs["gemma3"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     decoder = model.get_decoder()
-    divisors = calibrate(model, decoder, lambda name: name != "down_proj", model_dir, None)
+    divisors = calibrate(decoder, lambda name: name != "down_proj", model_dir, None)
     linears = {m for n, m in decoder.named_modules() if isinstance(m, nn.Linear)}
     downs = {m for n, m in decoder.named_modules() if n.endswith("down_proj")}
     assert downs and set(divisors) == linears - downs

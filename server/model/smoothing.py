@@ -80,14 +80,13 @@ def divisor(weight: torch.Tensor, input_range: torch.Tensor, alpha: float = ALPH
 
 
 def calibrate(
-    model: nn.Module,
     decoder: nn.Module,
     smoothed: Callable[[str], bool],
     model_dir: Path,
     cache: Path | None,
 ) -> dict[nn.Linear, torch.Tensor]:
-    """Each linear layer under `decoder` whose attribute name `smoothed` accepts, with its
-    divisor, from one forward of `model` (whole, not yet split or quantized) over the bundled
+    """Each linear layer under `decoder` (a model's, not yet split or quantized) whose attribute
+    name `smoothed` accepts, with its divisor, from one forward of the decoder over the bundled
     text."""
     layers = [
         child
@@ -98,6 +97,8 @@ def calibrate(
     if not layers:
         return {}
     ids = calibration_ids(model_dir, cache)
-    ranges = input_ranges(model, ids, layers)
+    # the decoder alone: the LM head's logits over the text (0.9 GB for Gemma's 262k-token
+    # vocabulary) are not needed
+    ranges = input_ranges(decoder, ids, layers)
     log.info("integer GEMMs' input scales measured on %d tokens", ids.shape[1])
     return {layer: divisor(layer.weight, ranges[layer]) for layer in layers if layer in ranges}

@@ -95,7 +95,7 @@ def load_serving_weights(
     divisors = {}  # the input scales of w8a8's integer layers, measured on the whole model
     if quantization == "w8a8" and stored is None and not is_seq2seq(config):
         cache_dir = weights_cache.parent if weights_cache is not None else None
-        divisors = calibrate(model, model.get_decoder(), _smoothed, model_dir, cache_dir)
+        divisors = calibrate(model.get_decoder(), _smoothed, model_dir, cache_dir)
     sharded = shard_model(model, tp) if tp is not None else None
     if sharded is not None:  # a row-parallel layer keeps its columns' scales
         divisors = sharded.kept_columns(model, divisors)
