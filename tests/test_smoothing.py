@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from server.model.quantization import Int8DynamicLinear, Int8WeightOnlyLinear
 from server.model.smoothing import calibrate, calibration_ids, divisor, input_ranges
 from server.parallel.shard import ShardedModel
+from tests.tiny_models import build_tiny_model
 
 
 def outlier_inputs(tokens: int = 64, channels: int = 128) -> torch.Tensor:
@@ -63,7 +64,7 @@ def test_calibration_measures_every_smoothed_layers_input(
     downs = {m for n, m in decoder.named_modules() if n.endswith("down_proj")}
     assert downs and set(divisors) == linears - downs
     # each divisor comes from the range its own layer's input took over the bundled text
-    ids = calibration_ids(model_dir, None)
+    ids = calibration_ids(model_dir, None)[:, : model.config.max_position_embeddings]
     assert ids.shape[1] > 100
     seen: dict[nn.Module, torch.Tensor] = {}
     q_proj = decoder.layers[0].self_attn.q_proj
@@ -75,6 +76,22 @@ def test_calibration_measures_every_smoothed_layers_input(
     expected = divisor(q_proj.weight, seen[q_proj].abs().amax(dim=0))
     assert torch.equal(divisors[q_proj], expected)
     assert torch.equal(input_ranges(model, ids, [q_proj])[q_proj], seen[q_proj].abs().amax(dim=0))
+
+
+@torch.inference_mode()
+def test_calibration_stops_at_the_models_last_position(tmp_path: Path) -> None:
+    """The bundled text is longer than a short model's positions: it is cut there (a model with
+    learned positions has no embedding past them)."""
+    model_dir = build_tiny_model(tmp_path / "short", "gemma3", max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    decoder = model.get_decoder()
+    assert calibration_ids(model_dir, None).shape[1] > 64
+    tokens: list[int] = []
+    q_proj = decoder.layers[0].self_attn.q_proj
+    handle = q_proj.register_forward_pre_hook(lambda _l, args: tokens.append(args[0].shape[-2]))
+    assert calibrate(decoder, lambda name: True, model_dir, None)
+    handle.remove()
+    assert tokens == [64]
 
 
 def test_a_row_parallel_rank_keeps_its_columns_scales() -> None:

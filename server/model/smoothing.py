@@ -96,7 +96,11 @@ def calibrate(
     ]
     if not layers:
         return {}
-    ids = calibration_ids(model_dir, cache)
+    config = getattr(decoder, "config", None)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )  # a model with learned positions has no embedding past them
+    ids = calibration_ids(model_dir, cache)[:, : positions or CALIBRATION_TOKENS]
     # the decoder alone: the LM head's logits over the text (0.9 GB for Gemma's 262k-token
     # vocabulary) are not needed
     ranges = input_ranges(decoder, ids, layers)
