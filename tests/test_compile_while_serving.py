@@ -6,7 +6,10 @@ reads the step from the cache without starting a compile."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from decoding import DecodingParams
 from server.config import ServerConfig
 from server.engine.engine import Engine
 from server.model import background_compile
+from server.model.background_compile import BackgroundCompile, ForwardClock
 from server.model.compile_cache import entry_lock
 from server.model.runner import ModelRunner
 from server.runner_setup import build_runner
@@ -177,3 +181,46 @@ def test_with_lora_slots_both_compiled_steps_come_while_serving(
     assert steps.sources == ["loaded", "loaded"]
     assert runner.lora is not None and runner.lora.state.step is None  # the examples' cleared
     assert answers(engine) == eager
+
+
+class CachedSteps:
+    """A stand-in for CompiledSteps whose graphs are in the cache: it notes when they are read."""
+
+    cached = True
+    base = SimpleNamespace(directory="cache")
+
+    def __init__(self) -> None:
+        self.read_at: list[float] = []
+
+    def read_cached(self) -> list[list[Any]]:
+        self.read_at.append(time.monotonic())
+        return [["graph"]]
+
+
+def test_the_cached_step_is_read_once_no_forward_has_run_for_a_moment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading holds the GIL for seconds: a request's steps would wait for all of it."""
+    monkeypatch.setattr(background_compile, "QUIET_BEFORE_READING_S", 0.3)
+    clock, steps, job = ForwardClock(), CachedSteps(), BackgroundCompile("")
+    with clock.forward():
+        job.start(steps, clock.quiet_for)  # type: ignore[arg-type]
+        time.sleep(0.6)
+        assert not steps.read_at and not job.done  # a forward runs
+    ended = time.monotonic()
+    with clock.forward():  # a second forward soon after: the moment starts again
+        time.sleep(0.1)
+    assert job.wait(10) and job.failure is None
+    assert steps.read_at[0] - ended >= 0.1 + 0.3
+
+
+def test_the_cached_step_is_read_at_the_latest_half_a_minute_in_under_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(background_compile, "READ_AT_THE_LATEST_S", 0.4)
+    clock, steps, job = ForwardClock(), CachedSteps(), BackgroundCompile("")
+    with clock.forward():  # never quiet
+        started = time.monotonic()
+        job.start(steps, clock.quiet_for)  # type: ignore[arg-type]
+        assert job.wait(10) and job.failure is None
+    assert steps.read_at[0] - started >= 0.4

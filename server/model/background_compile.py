@@ -9,7 +9,10 @@ serves with the eager step (the same function, uncompiled) while
   cache holds it already; a process, not a thread, because dynamo's tracing is Python that would
   take the GIL from the engine's thread between every two of its ops;
 - a thread of this process then reads the graphs from the cache (unpickling, off the engine's
-  thread: it touches nothing the steps use);
+  thread: it touches nothing the steps use), once the runner has run no forward for a moment
+  (`ForwardClock`) or half a minute after start-up at the latest: unpickling holds the GIL for
+  seconds at a time, and a step of a request in flight would wait for all of it (a first answer
+  came after the whole read, 7 s, on a 2-core CPU);
 - the runner adopts them between two steps, in the thread that steps (`DecodeStepInUse.
   between_steps`, decode_step.py): their guards checked and each graph run once on the pool's
   spare block, which no sequence owns. A request in flight goes on with the compiled step from
@@ -21,12 +24,14 @@ Should the compile fail, the server keeps serving eagerly and says why in the lo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,6 +46,32 @@ NICENESS = 10  # the compile process's: the server's steps first
 NICENESS_VARIABLE = "BEAMLINE_COMPILE_NICENESS"  # how the compile process is told it
 
 
+QUIET_BEFORE_READING_S = 1.0  # no forward for this long: the compiled step is read then
+READ_AT_THE_LATEST_S = 30.0  # or this long after the read could start, quiet or not
+
+
+class ForwardClock:
+    """Whether the runner runs a forward now, and since when it has not: what the read of the
+    compiled step waits for."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._last_end = time.monotonic()
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self._last_end = time.monotonic()
+
+    def quiet_for(self) -> float:
+        """Seconds since the last forward ended (0 while one runs)."""
+        return 0.0 if self._running else time.monotonic() - self._last_end
+
+
 class BackgroundCompile:
     """One runner's decode step, compiled or loaded beside serving: `start` it once, then ask
     `done` between steps and `adopt` it when it is."""
@@ -52,10 +83,13 @@ class BackgroundCompile:
         self._done = threading.Event()
         self.process: subprocess.Popen[str] | None = None
 
-    def start(self, steps: CompiledSteps) -> None:
+    def start(self, steps: CompiledSteps, quiet_for: Callable[[], float] = lambda: 1e9) -> None:
+        """Compile (unless cached) and read the step in a thread; `quiet_for` says for how long
+        the runner has run no forward (ForwardClock.quiet_for)."""
         atexit.register(self.stop)  # a server that ends stops its compile too
         name = "beamline-compile"
-        threading.Thread(target=self._run, args=(steps,), name=name, daemon=True).start()
+        args = (steps, quiet_for)
+        threading.Thread(target=self._run, args=args, name=name, daemon=True).start()
 
     @property
     def done(self) -> bool:
@@ -84,11 +118,12 @@ class BackgroundCompile:
         if process is not None and process.poll() is None:
             process.terminate()
 
-    def _run(self, steps: CompiledSteps) -> None:
+    def _run(self, steps: CompiledSteps, quiet_for: Callable[[], float]) -> None:
         try:
             if not steps.cached:
                 self._compile_elsewhere()
             if self.failure is None:
+                wait_until_quiet(quiet_for)
                 started = time.monotonic()
                 # in the grad mode steps run in: the guards built here record it
                 with torch.inference_mode():
@@ -129,3 +164,10 @@ class BackgroundCompile:
             return
         took = time.monotonic() - started
         log.info("decode step compiled by a background process in %.0f s", took)
+
+
+def wait_until_quiet(quiet_for: Callable[[], float], poll_s: float = 0.05) -> None:
+    """Until the runner has run no forward for QUIET_BEFORE_READING_S, or READ_AT_THE_LATEST_S."""
+    deadline = time.monotonic() + READ_AT_THE_LATEST_S
+    while quiet_for() < QUIET_BEFORE_READING_S and time.monotonic() < deadline:
+        time.sleep(poll_s)

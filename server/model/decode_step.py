@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from server.model.background_compile import BackgroundCompile
+from server.model.background_compile import BackgroundCompile, ForwardClock
 from server.model.compiled_decode import ExampleInputs
 from server.model.compiled_steps import CompiledSteps
 from server.model.step_context import DecodeStep
@@ -39,6 +39,7 @@ class DecodeStepInUse:
         self.example = example  # steps on a block no sequence owns: compile, check, warm
         self.job = job if compiled is not None else None  # compiling while serving
         self.run: DecodeFn = compiled if compiled is not None and job is None else eager
+        self.clock = ForwardClock()  # the runner's forwards, which reading the step waits out
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: DecodeStep
@@ -47,9 +48,10 @@ class DecodeStepInUse:
 
     def warm_up(self) -> None:
         """Before serving, in the thread that steps: load or compile the compiled step and run
-        each graph once, or start its compile beside serving."""
+        each graph once, or start its compile beside serving (read from the cache once the
+        runner's `clock` says it has been quiet a while: background_compile.py)."""
         if self.job is not None and self.compiled is not None:
-            self.job.start(self.compiled)
+            self.job.start(self.compiled, self.clock.quiet_for)
         elif self.compiled is not None:
             self.compiled.warm_up(self.example)
 

@@ -231,9 +231,8 @@ class ModelRunner:
         peak = self.attention.profile(self.model, self.kv_layout, blocks, self.device, step)
         if self.cuda_graphs:  # the graphs' memory pool stays while serving: reserve the largest
             rows = decode_plan_of(self.kv_budget.max_num_seqs)
-            decode = lambda: self._standalone(rows)  # noqa: E731
             peak += self.attention.profile(
-                self.model, self.kv_layout, len(rows), self.device, decode
+                self.model, self.kv_layout, len(rows), self.device, lambda: self._standalone(rows)
             )
         return peak
 
@@ -282,7 +281,8 @@ class ModelRunner:
             self.lora.install(install)
         tables = self.rows.apply(plan)
         self.kv_cache.copy_blocks(plan.copies)
-        with self.lora.applied(plan) if self.lora else contextlib.nullcontext():
+        adapters = self.lora.applied(plan) if self.lora else contextlib.nullcontext()
+        with self.decode_step.clock.forward(), adapters:  # the clock: background_compile.py
             return self._execute(plan, tables)
 
     def _execute(self, plan: StepPlan, tables: list[list[int]]) -> StepOutput:
