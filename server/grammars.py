@@ -6,7 +6,7 @@ GIL while it builds), so neither the HTTP loop nor the engine thread ever waits 
 that takes longer than the configured timeout is answered as a client error (the worker finishes
 on its own: llguidance's parser limits bound it). Equal specs share one cache entry and one
 in-flight compile. The tokenizer view llguidance needs (seconds for a 262k vocabulary) is built by
-`prepare()` in a thread at the first idle second after start-up (bootstrap.prepare_grammars),
+`prepare()` in a thread at the first idle second after start-up (bootstrap.after_start_up),
 or else at the first compile, which then waits for it. A tokenizer llguidance cannot read (a
 WordPiece decoder, a slow tokenizer) turns structured outputs off for the model, not the model
 off: every constrained request then gets `StructuredOutputsUnavailable`, which says why.

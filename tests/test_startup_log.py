@@ -317,12 +317,17 @@ def test_the_grammar_tokenizer_is_built_once_the_engine_is_idle_or_at_the_latest
 
     monkeypatch.setattr(bootstrap, "IDLE_BEFORE_GRAMMARS_S", 0.035)
     monkeypatch.setattr(bootstrap, "GRAMMARS_AT_THE_LATEST_S", 0.3)
+    frozen_at_poll: list[int] = []
+    monkeypatch.setattr(
+        bootstrap, "freeze_start_up_objects", lambda: frozen_at_poll.append(engine.polls)
+    )
     engine = BusyThenIdle(busy)
     grammars = CountedGrammars(engine)
     started = time.monotonic()
-    bootstrap.prepare_grammars(SimpleNamespace(engine=engine, grammars=grammars), poll_s=0.01)
+    bootstrap.after_start_up(SimpleNamespace(engine=engine, grammars=grammars), poll_s=0.01)
     took = time.monotonic() - started
     assert grammars.prepared_at_poll is not None
+    assert frozen_at_poll == [grammars.prepared_at_poll]  # start-up's objects frozen first
     if busy == 5:
         assert busy + 4 <= grammars.prepared_at_poll <= busy + 10 and took < 0.3
     else:
