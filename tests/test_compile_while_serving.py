@@ -214,6 +214,18 @@ def test_the_cached_step_is_read_once_no_forward_has_run_for_a_moment(
     assert steps.read_at[0] - ended >= 0.1 + 0.3
 
 
+def test_a_start_reads_the_cached_step_a_moment_after_it_is_ready_at_the_soonest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first client sends its request once /health says ready: it is answered before."""
+    monkeypatch.setattr(background_compile, "QUIET_BEFORE_READING_S", 0.3)
+    clock, steps, job = ForwardClock(), CachedSteps(), BackgroundCompile("")
+    time.sleep(0.4)  # loading, after the runner was built: no forward yet
+    started = time.monotonic()
+    job.start(steps, clock.quiet_for)  # type: ignore[arg-type]
+    assert job.wait(10) and steps.read_at[0] - started >= 0.3
+
+
 def test_the_cached_step_is_read_at_the_latest_half_a_minute_in_under_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -167,7 +167,12 @@ class BackgroundCompile:
 
 
 def wait_until_quiet(quiet_for: Callable[[], float], poll_s: float = 0.05) -> None:
-    """Until the runner has run no forward for QUIET_BEFORE_READING_S, or READ_AT_THE_LATEST_S."""
-    deadline = time.monotonic() + READ_AT_THE_LATEST_S
-    while quiet_for() < QUIET_BEFORE_READING_S and time.monotonic() < deadline:
+    """Until the runner has run no forward for QUIET_BEFORE_READING_S since this call, or for
+    READ_AT_THE_LATEST_S: a start reads the step a second after it is ready at the soonest, so
+    that a client waiting for /health to say so gets its answer first."""
+    started = time.monotonic()
+    deadline = started + READ_AT_THE_LATEST_S
+    while (now := time.monotonic()) < deadline:
+        if min(quiet_for(), now - started) >= QUIET_BEFORE_READING_S:
+            return
         time.sleep(poll_s)
