@@ -201,7 +201,7 @@ def test_the_cached_step_is_read_once_no_forward_has_run_for_a_moment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Reading holds the GIL for seconds: a request's steps would wait for all of it."""
-    monkeypatch.setattr(background_compile, "QUIET_BEFORE_READING_S", 0.3)
+    monkeypatch.setattr(background_compile, "QUIET_S", 0.3)
     clock, steps, job = ForwardClock(), CachedSteps(), BackgroundCompile("")
     with clock.forward():
         job.start(steps, clock.quiet_for)  # type: ignore[arg-type]
@@ -214,22 +214,31 @@ def test_the_cached_step_is_read_once_no_forward_has_run_for_a_moment(
     assert steps.read_at[0] - ended >= 0.1 + 0.3
 
 
-def test_a_start_reads_the_cached_step_a_moment_after_it_is_ready_at_the_soonest(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_start_compiles_or_reads_the_step_a_moment_after_it_is_ready_at_the_soonest(
+    monkeypatch: pytest.MonkeyPatch, cached: bool
 ) -> None:
-    """A first client sends its request once /health says ready: it is answered before."""
-    monkeypatch.setattr(background_compile, "QUIET_BEFORE_READING_S", 0.3)
+    """A first client sends its request once /health says ready: it is answered before the
+    compile process starts (it takes a core) or the cached step is read (it takes the GIL)."""
+    monkeypatch.setattr(background_compile, "QUIET_S", 0.3)
     clock, steps, job = ForwardClock(), CachedSteps(), BackgroundCompile("")
+    steps.cached = cached
+    compiled_at: list[float] = []
+    monkeypatch.setattr(job, "_compile_elsewhere", lambda: compiled_at.append(time.monotonic()))
     time.sleep(0.4)  # loading, after the runner was built: no forward yet
     started = time.monotonic()
     job.start(steps, clock.quiet_for)  # type: ignore[arg-type]
-    assert job.wait(10) and steps.read_at[0] - started >= 0.3
+    assert job.wait(10)
+    assert steps.read_at[0] - started >= 0.3
+    if not cached:
+        assert compiled_at[0] - started >= 0.3
+        assert steps.read_at[0] - compiled_at[0] >= 0.3  # and quiet again before the read
 
 
 def test_the_cached_step_is_read_at_the_latest_half_a_minute_in_under_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(background_compile, "READ_AT_THE_LATEST_S", 0.4)
+    monkeypatch.setattr(background_compile, "AT_THE_LATEST_S", 0.4)
     clock, steps, job = ForwardClock(), CachedSteps(), BackgroundCompile("")
     with clock.forward():  # never quiet
         started = time.monotonic()

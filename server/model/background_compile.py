@@ -7,7 +7,9 @@ serves with the eager step (the same function, uncompiled) while
 - a process of its own (`python -m server.compile_worker`: niced, inductor on one thread) builds
   the same runner on a tiny KV pool and compiles the step into the compile cache, unless the
   cache holds it already; a process, not a thread, because dynamo's tracing is Python that would
-  take the GIL from the engine's thread between every two of its ops;
+  take the GIL from the engine's thread between every two of its ops. It starts once the runner
+  has been quiet a moment too (`wait_until_quiet`): started at once, it slowed a first answer
+  from about 0.5 to 2-3 s on a 2-core CPU;
 - a thread of this process then reads the graphs from the cache (unpickling, off the engine's
   thread: it touches nothing the steps use), once the runner has run no forward for a moment
   (`ForwardClock`) or half a minute after start-up at the latest: unpickling holds the GIL for
@@ -46,8 +48,8 @@ NICENESS = 10  # the compile process's: the server's steps first
 NICENESS_VARIABLE = "BEAMLINE_COMPILE_NICENESS"  # how the compile process is told it
 
 
-QUIET_BEFORE_READING_S = 1.0  # no forward for this long: the compiled step is read then
-READ_AT_THE_LATEST_S = 30.0  # or this long after the read could start, quiet or not
+QUIET_S = 1.0  # no forward for this long: the compile process starts, or the step is read
+AT_THE_LATEST_S = 30.0  # or this long after either could, quiet or not
 
 
 class ForwardClock:
@@ -121,6 +123,7 @@ class BackgroundCompile:
     def _run(self, steps: CompiledSteps, quiet_for: Callable[[], float]) -> None:
         try:
             if not steps.cached:
+                wait_until_quiet(quiet_for)  # its start-up takes a core: a first answer first
                 self._compile_elsewhere()
             if self.failure is None:
                 wait_until_quiet(quiet_for)
@@ -167,12 +170,12 @@ class BackgroundCompile:
 
 
 def wait_until_quiet(quiet_for: Callable[[], float], poll_s: float = 0.05) -> None:
-    """Until the runner has run no forward for QUIET_BEFORE_READING_S since this call, or for
-    READ_AT_THE_LATEST_S: a start reads the step a second after it is ready at the soonest, so
+    """Until the runner has run no forward for QUIET_S since this call, or for
+    AT_THE_LATEST_S: a start reads the step a second after it is ready at the soonest, so
     that a client waiting for /health to say so gets its answer first."""
     started = time.monotonic()
-    deadline = started + READ_AT_THE_LATEST_S
+    deadline = started + AT_THE_LATEST_S
     while (now := time.monotonic()) < deadline:
-        if min(quiet_for(), now - started) >= QUIET_BEFORE_READING_S:
+        if min(quiet_for(), now - started) >= QUIET_S:
             return
         time.sleep(poll_s)
