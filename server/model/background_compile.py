@@ -12,9 +12,9 @@ serves with the eager step (the same function, uncompiled) while
   from about 0.5 to 2-3 s on a 2-core CPU;
 - a thread of this process then reads the graphs from the cache (unpickling, off the engine's
   thread: it touches nothing the steps use), once the runner has run no forward for a moment
-  (`ForwardClock`) or half a minute after start-up at the latest: unpickling holds the GIL for
-  seconds at a time, and a step of a request in flight would wait for all of it (a first answer
-  came after the whole read, 7 s, on a 2-core CPU);
+  (`ForwardClock`), or half a minute later at the latest: unpickling holds the GIL for seconds at
+  a time, and a step of a request in flight would wait for all of it (a later start's first
+  answer came after the whole read, 5-7 s, on a 2-core CPU);
 - the runner adopts them between two steps, in the thread that steps (`DecodeStepInUse.
   between_steps`, decode_step.py): their guards checked and each graph run once on the pool's
   spare block, which no sequence owns. A request in flight goes on with the compiled step from
@@ -46,15 +46,13 @@ WORKER = "server.compile_worker"  # the module run as the compile process
 NOT_AHEAD_OF_TIME = 3  # its exit code when the step compiles only the plain way (nothing saved)
 NICENESS = 10  # the compile process's: the server's steps first
 NICENESS_VARIABLE = "BEAMLINE_COMPILE_NICENESS"  # how the compile process is told it
-
-
 QUIET_S = 1.0  # no forward for this long: the compile process starts, or the step is read
 AT_THE_LATEST_S = 30.0  # or this long after either could, quiet or not
 
 
 class ForwardClock:
-    """Whether the runner runs a forward now, and since when it has not: what the read of the
-    compiled step waits for."""
+    """Whether the runner runs a forward now, and since when it has not: what the compile
+    process's start and the compiled step's read wait for (`wait_until_quiet`)."""
 
     def __init__(self) -> None:
         self._running = 0
