@@ -76,8 +76,13 @@ def wait_compiled(base_url: str, timeout_s: float, proc: subprocess.Popen | None
         while True:
             if proc is not None and proc.poll() is not None:
                 raise LaunchError(f"server exited with code {proc.returncode} while compiling")
-            response = client.get(base_url + "/v1/engine/stats")
-            if response.status_code != 200 or response.json().get("decode_step") != "compiling":
+            try:
+                response = client.get(base_url + "/v1/engine/stats")
+            except httpx.TimeoutException:  # a server busy with start-up's last work: ask again
+                response = None
+            if response is not None and (
+                response.status_code != 200 or response.json().get("decode_step") != "compiling"
+            ):
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
                 raise LaunchError(f"{base_url}: still compiling after {timeout_s:.0f} s")
@@ -172,6 +177,9 @@ def start_beamline(
     except LaunchError as exc:
         stop(proc)
         raise LaunchError(f"{exc}\n--- last lines of {log_path} ---\n{_tail(log_path)}") from None
+    except BaseException:  # anything else (an interrupt, a client error): no server left behind
+        stop(proc)
+        raise
     return proc, base_url, ready
 
 

@@ -132,6 +132,7 @@ def after_start_up(ctx: ServingContext, poll_s: float = 0.1) -> None:
             break
         time.sleep(poll_s)
     freeze_start_up_objects()
+    time.sleep(poll_s)  # between two holds of the GIL: the HTTP loop answers what waited
     started = time.monotonic()
     if ctx.grammars.prepare():
         log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)
