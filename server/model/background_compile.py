@@ -83,7 +83,7 @@ class BackgroundCompile:
         self._done = threading.Event()
         self.process: subprocess.Popen[str] | None = None
 
-    def start(self, steps: CompiledSteps, quiet_for: Callable[[], float] = lambda: 1e9) -> None:
+    def start(self, steps: CompiledSteps, quiet_for: Callable[[], float]) -> None:
         """Compile (unless cached) and read the step in a thread; `quiet_for` says for how long
         the runner has run no forward (ForwardClock.quiet_for)."""
         atexit.register(self.stop)  # a server that ends stops its compile too
