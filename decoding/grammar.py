@@ -127,9 +127,40 @@ class Grammar:
         return GrammarConstraint(self._matcher.deep_copy())
 
 
+@dataclass(frozen=True)
+class TokenBytes:
+    """llguidance's view of a vocabulary: each token's bytes, and which tokens are special.
+
+    llguidance reads it from `tokenizer.json` in 3-4 s for a 262k vocabulary (the whole
+    tokenizer rebuilt in Rust); given these bytes it builds its token trie in about a second. A
+    server keeps them between starts (tokenizer_cache.py)."""
+
+    tokens: list[bytes]
+    special_ids: list[int]
+
+
+class _Encoder:
+    """What llguidance's TokenizerWrapper reads: the vocabulary's bytes, and a text encoder for
+    the rare grammar that asks for a tokenization (the fast tokenizer's own, as when llguidance
+    reads `tokenizer.json` itself)."""
+
+    def __init__(self, backend: Any, token_bytes: TokenBytes, eos: int, bos: int | None) -> None:
+        self.eos_token_id = eos
+        self.bos_token_id = bos
+        self.tokens = token_bytes.tokens
+        self.special_token_ids = token_bytes.special_ids
+        self._backend = backend
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # TokenizerWrapper asks once; it then passes text
+            raise TypeError("text, not bytes")
+        return list(self._backend.encode(text, add_special_tokens=False).ids)
+
+
 class GrammarCompiler:
     """Compiles specs against one tokenizer. Thread-safe: `compile` may run in worker threads
-    (llguidance drops the GIL while it builds a grammar)."""
+    (llguidance drops the GIL while it builds a grammar). `token_bytes`, when given, is the
+    vocabulary's view a previous compiler returned from `token_bytes()` for this tokenizer."""
 
     def __init__(
         self,
@@ -137,23 +168,40 @@ class GrammarCompiler:
         vocab_size: int,
         eos_ids: frozenset[int] | set[int] | tuple[int, ...],
         limits: llguidance.LLParserLimits | None = None,
+        token_bytes: TokenBytes | None = None,
     ) -> None:
         eos = sorted(eos_ids)
         self.vocab_size = vocab_size
         self.limits = limits or llguidance.LLParserLimits(verbose_errors=False)
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and backend.padding is None and backend.truncation is None:
-            # what llguidance.hf.from_tokenizer does, without its copy of the tokenizer (to clear
-            # padding and truncation, unset here): a second of pickling for a 262k vocabulary
-            self.ll_tokenizer = llguidance.LLTokenizer(
-                backend.to_str(), n_vocab=vocab_size, eos_token=eos or tokenizer.eos_token_id
-            )
-        else:
+        if backend is None or backend.padding is not None or backend.truncation is not None:
+            # llguidance's own reading, which clears padding and truncation on a copy
             self.ll_tokenizer = llguidance.hf.from_tokenizer(
                 tokenizer,  # type: ignore[arg-type]  # a fast tokenizer; llguidance checks
                 n_vocab=vocab_size,
                 eos_token=eos or None,
             )
+        elif token_bytes is not None and len(token_bytes.tokens) == vocab_size:
+            first_eos = eos[0] if eos else tokenizer.eos_token_id
+            encoder = _Encoder(backend, token_bytes, first_eos, tokenizer.bos_token_id)
+            self.ll_tokenizer = llguidance.LLTokenizer(
+                llguidance.TokenizerWrapper(encoder), n_vocab=vocab_size, eos_token=eos or None
+            )
+        else:
+            # what llguidance.hf.from_tokenizer does, without its copy of the tokenizer (to clear
+            # padding and truncation, unset here): a second of pickling for a 262k vocabulary
+            self.ll_tokenizer = llguidance.LLTokenizer(
+                backend.to_str(), n_vocab=vocab_size, eos_token=eos or tokenizer.eos_token_id
+            )
+
+    def token_bytes(self) -> TokenBytes:
+        """The vocabulary as llguidance sees it, for a later compiler of the same tokenizer."""
+        ll = self.ll_tokenizer
+        ids = range(ll.vocab_size)
+        return TokenBytes(
+            tokens=[ll.decode_bytes([i]) for i in ids],
+            special_ids=[i for i in ids if ll.is_special_token(i)],
+        )
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """Compile `spec`, and compute its first mask (which builds the lexer) so that a grammar

@@ -29,7 +29,7 @@ from server.model.loader import (
 )
 from server.process.client import EngineProcessClient
 from server.process.replicas import ReplicatedEngine
-from server.tokenizer_cache import load_tokenizer
+from server.tokenizer_cache import load_tokenizer, token_bytes_path
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         metrics=metrics,
         model_sampling_defaults=read_sampling_defaults(model_dir),
         encoder_decoder=SourceModel.read(model_dir, tokenizer),
+        grammar_token_bytes=token_bytes_path(model_dir, config.cache_dir or default_cache_dir()),
     )
     if ctx.encoder_decoder is not None:  # generate()'s defaults too; greedy unless it samples
         ctx.model_sampling_defaults.update(ctx.encoder_decoder.defaults)

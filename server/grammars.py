@@ -5,9 +5,10 @@ cached by content, counted in /metrics.
 GIL while it builds), so neither the HTTP loop nor the engine thread ever waits for one. A compile
 that takes longer than the configured timeout is answered as a client error (the worker finishes
 on its own: llguidance's parser limits bound it). Equal specs share one cache entry and one
-in-flight compile. The tokenizer view llguidance needs (seconds for a 262k vocabulary) is built by
-`prepare()` in a thread at the first idle second after start-up (bootstrap.after_start_up),
-or else at the first compile, which then waits for it. A tokenizer llguidance cannot read (a
+in-flight compile. The tokenizer view llguidance needs (about a second for a 262k vocabulary from
+the bytes kept in the cache dir, 4-5 s at a first start) is built by `prepare()` in a thread at
+the first idle second after start-up (bootstrap.after_start_up), or else at the first compile,
+which then waits for it. A tokenizer llguidance cannot read (a
 WordPiece decoder, a slow tokenizer) turns structured outputs off for the model, not the model
 off: every constrained request then gets `StructuredOutputsUnavailable`, which says why.
 """
@@ -20,11 +21,13 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
 from decoding.grammar import Grammar, GrammarCompiler, GrammarSpec
 from server.metrics import Metrics
+from server.tokenizer_cache import keep_token_bytes, read_token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +51,10 @@ class GrammarService:
         timeout_s: float = 10.0,
         metrics: Metrics | None = None,
         workers: int = 2,
+        token_bytes_path: Path | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.token_bytes_path = token_bytes_path  # the vocabulary's view kept between starts
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self.cache_size = cache_size
@@ -124,7 +129,9 @@ class GrammarService:
                 raise StructuredOutputsUnavailable(self._unavailable)
             if self._compiler is None:
                 try:
-                    compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+                    compiler = build_compiler(
+                        self.tokenizer, self.vocab_size, self.eos_ids, self.token_bytes_path
+                    )
                 except Exception as exc:  # llguidance's reasons vary by tokenizer
                     self._unavailable = (
                         "the grammar engine (llguidance) cannot read its tokenizer: "
@@ -133,3 +140,20 @@ class GrammarService:
                     raise StructuredOutputsUnavailable(self._unavailable) from exc
                 self._compiler = compiler
             return self._compiler
+
+
+def build_compiler(
+    tokenizer: PreTrainedTokenizerBase,
+    vocab_size: int,
+    eos_ids: frozenset[int],
+    token_bytes_path: Path | None,
+) -> GrammarCompiler:
+    """A compiler from the vocabulary kept at `token_bytes_path` if there is one (a second for
+    a 262k vocabulary), else from the tokenizer (3-4 s more), then kept there for next time."""
+    kept = read_token_bytes(token_bytes_path) if token_bytes_path is not None else None
+    compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, token_bytes=kept)
+    if kept is not None:
+        log.debug("grammar vocabulary read from %s", token_bytes_path)
+    elif token_bytes_path is not None:
+        keep_token_bytes(compiler.token_bytes(), token_bytes_path)
+    return compiler

@@ -466,3 +466,42 @@ def test_the_grammar_tokenizer_is_llguidances_own_view_of_the_tokenizer(
         theirs.decode_bytes([i]) for i in range(len(tokenizer))
     ]
     assert (tokenizer.backend_tokenizer.padding is not None) == padded  # ours left it alone
+
+
+@pytest.mark.parametrize("extra", [0, 61])  # a model whose embedding rows outnumber the tokens
+def test_a_compiler_given_the_vocabularys_bytes_sees_and_masks_as_llguidance_does(
+    llama_dir: Path, extra: int
+) -> None:
+    """The bytes a compiler returns build the next one without llguidance reading tokenizer.json:
+    the same tokens, specials, tokenizations and masks, with padded vocabularies too."""
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    size = len(tokenizer) + extra
+    read = GrammarCompiler(tokenizer, size, EOS_IDS)
+    token_bytes = read.token_bytes()
+    assert len(token_bytes.tokens) == size and token_bytes.special_ids  # <s>, </s>, <unk>
+    given = GrammarCompiler(tokenizer, size, EOS_IDS, token_bytes=token_bytes)
+    ours, theirs = given.ll_tokenizer, read.ll_tokenizer
+    assert ours.dbg_tokens(list(range(size))) == theirs.dbg_tokens(list(range(size)))
+    special = [i for i in range(size) if ours.is_special_token(i)]
+    assert special == [i for i in range(size) if theirs.is_special_token(i)] != []
+    assert ours.eos_tokens == theirs.eos_tokens == [EOS]
+    assert ours.vocab_size == theirs.vocab_size == size
+    for text in ("Hello world! How are you", " leading space", '\n\t{"a": [1]}', "日本</s>"):
+        assert ours.tokenize_str(text) == theirs.tokenize_str(text)
+        assert ours.tokenize_str(text, parse_special=True) == theirs.tokenize_str(
+            text, parse_special=True
+        )
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}})
+    rows = [c.compile(spec).new_constraint() for c in (given, read)]
+    for token in [*tokenizer.encode('{"n": 42}', add_special_tokens=False), None]:
+        masks = torch.zeros((2, (size + 31) // 32), dtype=torch.int32)
+        for index, row in enumerate(rows):
+            row.fill_allowed(masks, index)
+        assert torch.equal(masks[0], masks[1]) and masks[0].any()
+        if token is not None:
+            assert all(row.advance(token) for row in rows)
+    assert all(row.accepting for row in rows)
+    short = type(token_bytes)(token_bytes.tokens[:-1], token_bytes.special_ids)
+    # bytes of another vocabulary are not used: llguidance reads the tokenizer again
+    fallback = GrammarCompiler(tokenizer, size, EOS_IDS, token_bytes=short).ll_tokenizer
+    assert fallback.dbg_tokens(list(range(size))) == theirs.dbg_tokens(list(range(size)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -26,6 +27,7 @@ class ServingContext:
     # the sampling fields the model's generation_config.json sets (sampling_defaults.py)
     model_sampling_defaults: dict[str, Any] = field(default_factory=dict)
     encoder_decoder: SourceModel | None = None  # an encoder-decoder model's (None: decoder-only)
+    grammar_token_bytes: Path | None = None  # where the grammar engine's vocabulary is kept
     grammars: GrammarService = field(init=False)  # structured outputs' compiles and cache
 
     def __post_init__(self) -> None:
@@ -36,6 +38,7 @@ class ServingContext:
             cache_size=self.config.grammar_cache_size,
             timeout_s=self.config.grammar_compile_timeout,
             metrics=self.metrics,
+            token_bytes_path=self.grammar_token_bytes,
         )
 
     @property

@@ -22,9 +22,11 @@ from server.config import ServerConfig
 from server.engine.client import UnknownAdapter
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest, RequestOutput
+from server.grammars import build_compiler
 from server.loading import freeze_start_up_objects, load_engine
 from server.logs import setup_logging
 from server.metrics import Metrics
+from server.model.loader import default_cache_dir
 from server.process.messages import (
     Abort,
     AdapterLoaded,
@@ -37,6 +39,7 @@ from server.process.messages import (
     UnloadAdapter,
 )
 from server.process.metrics_relay import MetricsRelay
+from server.tokenizer_cache import token_bytes_path
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +197,11 @@ def run_engine_process(config: ServerConfig, conn: Connection) -> None:
         engine.use_metrics(cast(Metrics, relay))
         loaded.runner.warm_up()  # compiled and recorded in the thread that steps
         compiler = ThreadPoolExecutor(1, thread_name_prefix="beamline-grammar").submit(
-            GrammarCompiler, loaded.tokenizer, loaded.runner.vocab_size, engine.eos_token_ids
+            build_compiler,
+            loaded.tokenizer,
+            loaded.runner.vocab_size,
+            engine.eos_token_ids,
+            token_bytes_path(loaded.model_dir, config.cache_dir or default_cache_dir()),
         )
     except BaseException as exc:  # the front end logs the reason, on one line, and exits 1
         log.debug("engine process failed to start", exc_info=True)
