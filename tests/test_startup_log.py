@@ -249,6 +249,34 @@ def test_a_gguf_file_is_parsed_once_while_it_converts(
     assert gguf.GGUFReader is CountingReader
 
 
+def test_each_tensor_name_map_is_built_once_while_a_gguf_file_converts(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers asks gguf for a tensor-name map per module of the model it loads; within
+    `gguf_parsed_once` gguf builds one per architecture and depth, and the names are gguf's."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    built: list[tuple[object, int]] = []
+    real = gguf.get_tensor_name_map
+
+    def counted(arch: gguf.MODEL_ARCH, n_blocks: int) -> gguf.TensorNameMap:
+        built.append((arch, n_blocks))
+        return real(arch, n_blocks)
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["gemma3"])
+    expected = get_gguf_hf_weights_map(model, TensorProcessor())
+    modules = len(built)
+    assert modules > 10 and len(set(built)) == 1  # one map asked for again and again
+    built.clear()
+    with loader.gguf_parsed_once():
+        assert get_gguf_hf_weights_map(model, TensorProcessor()) == expected
+    assert len(built) == 1
+    assert gguf.get_tensor_name_map is counted
+
+
 def test_the_plain_view_reader_parses_a_gguf_file_as_ggufs_own_reader(tmp_path: Path) -> None:
     """`gguf_parsed_once` parses through a plain view of the memory map (no `numpy.memmap` per
     slice): the same fields, values and tensors as gguf's reader, on a file with a vocabulary."""
