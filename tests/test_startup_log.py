@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from server.logs import JsonFormatter, TextFormatter, UvicornLifespanAtDebug
-from server.model import loader
+from server.model import gguf_files, loader
 from server.model.kv_budget import KVBudget, plan_num_blocks
 from server.model.loader import LocatedModel, conversion_dir, loading_plan
 from tests.hub_cache import commit_of, model_files, write_snapshot
@@ -158,13 +158,19 @@ def test_a_gguf_conversion_lands_whole_and_the_first_copy_wins(
             target.mkdir()
             (target / "config.json").write_text('{"by": "the other process"}')
 
+    class TokenizerSaved:  # the tokenizer's process, done
+        def __init__(self, gguf: Path, folder: Path) -> None:
+            FakeSaved("tokenizer.json").save_pretrained(folder)
+
+        def result(self) -> None:
+            return None
+
     model = FakeSaved("config.json", other_process_finishes)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
-    monkeypatch.setattr(
-        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: FakeSaved("tokenizer.json")
-    )
-    monkeypatch.setattr(loader, "add_missing_chat_template", lambda *args: False)
+    monkeypatch.setattr(loader, "TokenizerProcess", TokenizerSaved)
     loader.convert_gguf(gguf, target)
+    landed = ["config.json"] if raced else ["config.json", "tokenizer.json"]
+    assert sorted(p.name for p in target.iterdir()) == landed
     by = json.loads((target / "config.json").read_text())["by"]
     assert by == ("the other process" if raced else os.getpid())
     assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
@@ -240,7 +246,7 @@ def test_a_gguf_file_is_parsed_once_while_it_converts(
 
     monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
     first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
-    with loader.gguf_parsed_once():
+    with gguf_files.gguf_parsed_once():
         for path in (first, first, second):
             with pytest.raises(Parsed):
                 load_gguf_checkpoint(str(path))
@@ -271,7 +277,7 @@ def test_each_tensor_name_map_is_built_once_while_a_gguf_file_converts(
     modules = len(built)
     assert modules > 10 and len(set(built)) == 1  # one map asked for again and again
     built.clear()
-    with loader.gguf_parsed_once():
+    with gguf_files.gguf_parsed_once():
         assert get_gguf_hf_weights_map(model, TensorProcessor()) == expected
     assert len(built) == 1
     assert gguf.get_tensor_name_map is counted
@@ -296,7 +302,8 @@ def test_the_plain_view_reader_parses_a_gguf_file_as_ggufs_own_reader(tmp_path: 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    ours, theirs = loader.plain_view_reader(gguf.GGUFReader)(str(path)), gguf.GGUFReader(str(path))
+    ours = gguf_files.plain_view_reader(gguf.GGUFReader)(str(path))
+    theirs = gguf.GGUFReader(str(path))
     assert type(ours.data) is np.ndarray and type(theirs.data) is np.memmap
     assert list(ours.fields) == list(theirs.fields)
     for name, field in theirs.fields.items():

@@ -26,15 +26,18 @@ GEMMA_TURN_TEMPLATE = (
 )
 
 
-def add_missing_chat_template(
-    tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig
-) -> bool:
-    """Give a Gemma-style tokenizer without a template the turn template; True if it did."""
+def add_missing_chat_template(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """Give a Gemma-style tokenizer without a template the turn template; the id of
+    `<end_of_turn>` if it did (generation then stops there too: `stop_at`), else None."""
     vocab = tokenizer.get_vocab()
     if tokenizer.chat_template or "<start_of_turn>" not in vocab or "<end_of_turn>" not in vocab:
-        return False
+        return None
     tokenizer.chat_template = GEMMA_TURN_TEMPLATE
+    return int(vocab["<end_of_turn>"])
+
+
+def stop_at(generation_config: GenerationConfig, token_id: int) -> None:
+    """Add `token_id` to the tokens generation ends at."""
     eos = generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    generation_config.eos_token_id = [*eos_ids, vocab["<end_of_turn>"]]
-    return True
+    generation_config.eos_token_id = [*eos_ids, token_id]

@@ -9,32 +9,28 @@ files under the cache directory; every later start loads that directory.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
-import numpy as np
 from tqdm import tqdm
 
-from server.model.chat_templates import add_missing_chat_template
+from server.model.chat_templates import stop_at
+from server.model.gguf_files import TokenizerProcess, gguf_parsed_once
 from server.model.hub import ModelNotFound, fetch_hub_model, parse_hub_id
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 CONVERSION_VERSION = 2  # bump when convert_gguf changes what it writes
-# The default model's GGUF (253 MB): a conversion process took 17.5 s on the docs' 2-core AMD EPYC
-# host, the file parsed once through a plain view of its memory map (2026-11-29, docs/models.md;
-# 42.6 s parsed three times, 24.9 s once through numpy.memmap slices); the start-up log scales
-# that by file size to say what a first start costs.
-MEASURED_CONVERSION_S_PER_GB = 17.5 / 0.253
+# The default model's GGUF (253 MB): a conversion process took 18.6 s on a 2-core Xeon host, the
+# tokenizer converted by a process beside the weights (2026-11-29, docs/models.md; 30.1 s one after
+# the other in the same hour, a noisy one: 17.5 s on the AMD EPYC host earlier that day); the
+# start-up log scales that by file size to say what a first start costs.
+MEASURED_CONVERSION_S_PER_GB = 18.6 / 0.253
 
 
 def default_cache_dir() -> Path:
@@ -148,31 +144,39 @@ def _file_key(path: Path) -> str:
 def convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantize a GGUF file into `target` (safetensors + tokenizer), atomically: each process
     writes a folder of its own and renames it into place, so servers (or test workers) starting
-    at once on one host never read a half-written copy; the first to finish wins."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    at once on one host never read a half-written copy; the first to finish wins. The tokenizer
+    is converted by a process of its own meanwhile (gguf_files.py)."""
+    from transformers import AutoModelForCausalLM
 
     # `beamline serve` said so before the port opened (loading_plan): a debug line here
     log.debug("converting %s into %s", gguf, target)
     tmp = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with tqdm(total=3, desc="Converting GGUF", unit="stage") as bar, gguf_parsed_once():
-        bar.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        bar.update()
+    tmp.mkdir(parents=True)
+    with tqdm(total=3, desc="Converting GGUF", unit="stage") as bar:
+        tokenizer = TokenizerProcess(gguf, tmp)
         bar.set_postfix_str("weights")
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype="float32"
-        )
+        try:
+            with gguf_parsed_once():
+                model = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent, gguf_file=gguf.name, dtype="float32"
+                )
+        except BaseException:
+            tokenizer.stop()
+            raise
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        end_of_turn = tokenizer.result()
         bar.update()
         bar.set_postfix_str("saving")
         # The weights are dequantized now: save them as a plain model, not as a GGUF-quantized one.
         model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module types attrs as Tensor | Module
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        if add_missing_chat_template(tokenizer, model.generation_config):
+        if end_of_turn is not None:
+            stop_at(model.generation_config, end_of_turn)
             log.info("the GGUF file has no chat template; using Gemma's turn template")
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
         bar.update()
     if (target / "config.json").is_file():  # converted meanwhile by another process
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,56 +188,3 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").is_file():
             raise
-
-
-def plain_view_reader(base: type) -> type:
-    """gguf's reader `base`, parsing through a plain array view of its memory map: each of the
-    ~800k slices it takes of a 262k-token vocabulary was a `numpy.memmap`, whose Python-level
-    `__array_finalize__` made the parse 8.2 s; over the view (the same memory, no copy) 2.4 s,
-    with the same fields and tensors. `base` itself where it reads differently (another gguf)."""
-    if not callable(getattr(base, "_get", None)):
-        return base
-
-    class PlainViewReader(base):  # type: ignore[valid-type, misc]
-        def _get(self, *args: Any, **kwargs: Any) -> Any:
-            data: Any = self.__dict__["data"]  # np.memmap(path) is __init__'s first line
-            if type(data) is np.memmap:
-                self.data = data.view(np.ndarray)
-            return super()._get(*args, **kwargs)
-
-    return PlainViewReader
-
-
-@contextlib.contextmanager
-def gguf_parsed_once() -> Iterator[None]:
-    """Within, each GGUF file is parsed once. transformers parses a GGUF file anew for its
-    config, its tokenizer and its weights, and gguf's reader walks a 262k-token vocabulary one
-    element at a time: the default model's conversion built the reader 3 times, 25.6 of its
-    40.9 s on a 2-core AMD EPYC. The reader holds memory-mapped views of the file, not copies, so
-    one can serve every load. Each tensor-name map is built once too: transformers asks gguf for
-    one per module of the model (313 for Gemma 3 270M, 2.3 of the weights' 9.2 s on a 2-core
-    Xeon), and gguf builds each anew from the same two arguments. (transformers imports
-    `gguf.GGUFReader` and `gguf.get_tensor_name_map` at each call: it finds these while the block
-    runs.)"""
-    try:
-        import gguf
-    except ImportError:  # transformers says what to install when it needs it
-        yield
-        return
-    original, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    plain_view = plain_view_reader(original)
-    readers: dict[tuple[str, str], Any] = {}
-
-    def reader(path: str | os.PathLike[str], mode: Literal["r", "r+", "c"] = "r") -> Any:
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = plain_view(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = reader  # type: ignore[misc, assignment]
-    gguf.get_tensor_name_map = functools.cache(original_name_map)  # read, never changed
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original  # type: ignore[misc]
-        gguf.get_tensor_name_map = original_name_map
