@@ -1,10 +1,10 @@
 """Grammar constraints on llguidance: JSON schemas, regexes, choices and Lark grammars.
 
-`GrammarCompiler` holds llguidance's view of the tokenizer (built once: about a second for a
-262k vocabulary) and compiles a `GrammarSpec` into a `Grammar`, an immutable compiled template.
-Each constrained row gets its own `GrammarConstraint` (a `TokenConstraint`, see constraints.py)
-from `Grammar.new_constraint()`: a copy of the template's matcher, so one compiled grammar serves
-any number of rows and requests.
+`GrammarCompiler` holds llguidance's view of the tokenizer (built once: 1.4 s for a 262k
+vocabulary from its tokens' bytes, 4.8 s from `tokenizer.json`, on a 2-core Xeon) and compiles a
+`GrammarSpec` into a `Grammar`, an immutable compiled template. Each constrained row gets its own
+`GrammarConstraint` (a `TokenConstraint`, see constraints.py) from `Grammar.new_constraint()`: a
+copy of the template's matcher, so one compiled grammar serves any number of rows and requests.
 
 Why llguidance: its masks take ~50 us per token at a 128k vocabulary, compiles take milliseconds
 and are bounded by its parser limits (lexer fuel, grammar size), regexes run on derivatives (no

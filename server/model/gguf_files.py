@@ -16,9 +16,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import numpy as np
 
@@ -45,16 +46,17 @@ class TokenizerProcess:
 
     def __init__(self, gguf: Path, folder: Path) -> None:
         command = [sys.executable, "-m", __name__, str(gguf), str(folder)]
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        # files, not pipes: a pipe nobody reads until the weights are done could fill and stall it
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.process = subprocess.Popen(command, stdout=self.out, stderr=self.err)
 
     def result(self) -> int | None:
         """What `save_gguf_tokenizer` returned; RuntimeError with the process's last words if it
         failed."""
-        out, err = self.process.communicate()
-        if self.process.returncode != 0:
-            last = " ".join(err.strip().splitlines()[-1:]) or f"exit {self.process.returncode}"
+        code = self.process.wait()
+        out, err = (self._read(file) for file in (self.out, self.err))
+        if code != 0:
+            last = " ".join(err.strip().splitlines()[-1:]) or f"exit {code}"
             raise RuntimeError(f"converting the GGUF file's tokenizer failed: {last}")
         end_of_turn = json.loads(out.strip().splitlines()[-1])["end_of_turn"]
         return None if end_of_turn is None else int(end_of_turn)
@@ -63,7 +65,15 @@ class TokenizerProcess:
         """End it early (the weights' half failed)."""
         with contextlib.suppress(OSError):
             self.process.kill()
-        self.process.communicate()
+        self.process.wait()
+        for file in (self.out, self.err):
+            file.close()
+
+    @staticmethod
+    def _read(file: IO[bytes]) -> str:
+        with file:
+            file.seek(0)
+            return file.read().decode(errors="replace")
 
 
 def plain_view_reader(base: type) -> type:
