@@ -47,7 +47,7 @@ def test_engine_overhead_reports_the_text_rendered_during_the_forward() -> None:
     assert greedy.overlap_outputs and not greedy.async_scheduling
     assert 0 < greedy.render_ms < greedy.host_ms  # streamed rows render text in the window
     assert 0 < greedy.exposed_ms < greedy.host_ms
-    assert beam.render_ms < 0.05  # beams stream nothing per step: nothing to render
+    assert beam.render_ms == 0  # beams stream nothing per step: nothing is rendered
 
 
 def test_engine_overhead_runs_with_async_scheduling_and_times_free_steps() -> None:

@@ -66,7 +66,8 @@ class TimedReplay:
 
 
 class RenderTimer:
-    """Accumulates the seconds the engine spends rendering text inside the overlap window."""
+    """Accumulates the seconds the engine spends rendering text inside the overlap window (calls
+    that find nothing to render are not counted: a loaded host makes even those take time)."""
 
     def __init__(self, engine: Engine) -> None:
         self.seconds = 0.0
@@ -74,10 +75,10 @@ class RenderTimer:
 
         def timed() -> bool:
             start = time.perf_counter()
-            try:
-                return render()
-            finally:
+            rendered = render()
+            if rendered:
                 self.seconds += time.perf_counter() - start
+            return rendered
 
         if engine.overlap_outputs:
             engine._render_outputs = timed  # type: ignore[method-assign]
