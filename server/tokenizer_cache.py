@@ -26,7 +26,9 @@ import platform
 import sys
 import threading
 from array import array
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -72,15 +74,23 @@ def tokenizer_key(model_dir: Path) -> str:
 
 
 def _keep(tokenizer: PreTrainedTokenizerBase, entry: Path) -> None:
-    """Write the entry aside, then rename it into place: a start reading it never sees half."""
-    partial = partial_path(entry)
+    def write(file: BinaryIO) -> None:
+        pickle.dump(tokenizer, file, protocol=pickle.HIGHEST_PROTOCOL)
+
+    _write_aside(entry, write, "tokenizer")  # a tokenizer that does not pickle: a warning too
+
+
+def _write_aside(path: Path, write: Callable[[BinaryIO], None], what: str) -> None:
+    """Write `path` aside, then rename it into place: a start reading it never sees half. A
+    warning naming `what` when it cannot be kept (a read-only cache dir, a full disk)."""
+    partial = partial_path(path)
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         with partial.open("wb") as file:
-            pickle.dump(tokenizer, file, protocol=pickle.HIGHEST_PROTOCOL)
-        partial.replace(entry)
-    except Exception as error:  # a read-only cache dir, a tokenizer that does not pickle
-        log.warning("tokenizer not kept in %s: %s", entry.parent, error)
+            write(file)
+        partial.replace(path)
+    except Exception as error:
+        log.warning("%s not kept in %s: %s", what, path.parent, error)
         with contextlib.suppress(OSError):  # never written, or not writable either
             partial.unlink(missing_ok=True)
 
@@ -127,15 +137,10 @@ def keep_token_bytes(token_bytes: TokenBytes, path: Path) -> None:
     """Write the vocabulary aside, then rename it into place (a warning if it cannot be)."""
     header = {"count": len(token_bytes.tokens), "special": token_bytes.special_ids}
     header["byteorder"] = sys.byteorder
-    partial = partial_path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with partial.open("wb") as file:
-            file.write(TOKEN_BYTES_MAGIC + json.dumps(header).encode() + b"\n")
-            file.write(array("I", map(len, token_bytes.tokens)).tobytes())
-            file.write(b"".join(token_bytes.tokens))
-        partial.replace(path)
-    except Exception as error:  # a read-only cache dir, a full disk
-        log.warning("grammar vocabulary not kept in %s: %s", path.parent, error)
-        with contextlib.suppress(OSError):  # never written, or not writable either
-            partial.unlink(missing_ok=True)
+
+    def write(file: BinaryIO) -> None:
+        file.write(TOKEN_BYTES_MAGIC + json.dumps(header).encode() + b"\n")
+        file.write(array("I", map(len, token_bytes.tokens)).tobytes())
+        file.write(b"".join(token_bytes.tokens))
+
+    _write_aside(path, write, "grammar vocabulary")
