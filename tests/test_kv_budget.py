@@ -222,6 +222,29 @@ def test_auto_on_a_faked_gpu_profiles_the_real_runner(llama_dir: Path) -> None:
     assert blocks == (int(0.9 * 1000 * MiB) - 100 * MiB) // per_block
 
 
+def test_the_runner_profiles_while_it_is_built_as_on_cuda(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA an auto-sized pool runs the profile step inside the runner's constructor, before
+    the pool exists: the step must need nothing set after it (it once read an attribute set
+    later, and every CUDA server failed to start)."""
+    profiled: list[int] = []
+
+    def profile_then_plan(budget: KVBudget, **kwargs: object) -> int:
+        profiled.append(kwargs["profile"]())  # type: ignore[operator]
+        return 16
+
+    monkeypatch.setattr("server.model.runner.plan_num_blocks", profile_then_plan)
+    runner = ModelRunner(
+        llama_dir,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=4,
+        kv_budget=KVBudget(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+    )
+    assert profiled == [0] and runner.num_blocks == 16
+
+
 def test_the_runner_sizes_auto_on_the_cpu_without_profiling(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

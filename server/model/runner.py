@@ -108,6 +108,8 @@ class ModelRunner:
         self.config = text_config(model_dir)
         self.max_position_embeddings = int(getattr(self.config, "max_position_embeddings", 2048))
         self.tp = tp
+        # an encoder-decoder runner's compiled step pads (packing.py); set before the profile step
+        self.pad_cross = False
         weights = load_serving_weights(
             model_dir,
             device=device,
@@ -177,7 +179,6 @@ class ModelRunner:
             self.attention_backend,
         )
         self.compile_decode = compile_decode
-        self.pad_cross = False  # an encoder-decoder runner's compiled step pads (packing.py)
         self.compiled_decode: CompiledSteps | None = None
         if compile_decode:
             self.compiled_decode = CompiledSteps(
