@@ -5,6 +5,7 @@ preempted and recomputed."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 from pathlib import Path
 from typing import Any, cast
@@ -20,6 +21,7 @@ from server.model.seq2seq import t5
 from server.model.seq2seq.decoder import UnusedProjection
 from server.model.seq2seq.runner import Seq2SeqRunner
 from server.model.step_context import CrossStep
+from tests.conftest import TEST_DEVICE
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.tiny_seq2seq import FAMILIES, build_tiny_seq2seq
 
@@ -46,7 +48,7 @@ def seq2seq_engine(model_dir: Path, **options: object) -> Engine:
     settings.update(options)
     runner = Seq2SeqRunner(
         model_dir,
-        device=torch.device("cpu"),
+        device=TEST_DEVICE,
         dtype=torch.float32,
         block_size=settings["block_size"],
         num_blocks=settings["num_blocks"],
@@ -215,6 +217,7 @@ def test_beam_search_with_the_two_pass_top_k_equals_generate(
     assert any(chunk in (4, 8) for chunk in chunks)  # the beam steps took the two passes
 
 
+@pytest.mark.cpu_only  # a CPU layout / int8 kernel
 @pytest.mark.parametrize("family", ["bart", "t5", "mt5"])
 @pytest.mark.parametrize("layout", ["onednn", "transposed", "measured"])
 def test_the_cpu_linear_layouts_decode_as_generate(
@@ -244,6 +247,7 @@ def test_the_cpu_linear_layouts_decode_as_generate(
     )
 
 
+@pytest.mark.cpu_only  # a CPU layout / int8 kernel
 @pytest.mark.parametrize("family", ["marian", "t5"])
 def test_int8_formats_run_the_decoder_and_the_head_in_int8(
     family_dirs: dict[str, Path], family: str
@@ -305,6 +309,7 @@ def test_int8_formats_run_the_decoder_and_the_head_in_int8(
         assert [o[0] for o in outputs[quantization]] == [o[0] for o in outputs["none"]]
 
 
+@pytest.mark.cpu_only  # a CPU layout / int8 kernel
 def test_an_int8_head_rescores_what_beam_steps_rank(
     family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -602,3 +607,30 @@ def test_n_gram_drafts_leave_greedy_and_seeded_tokens_unchanged(
     assert [tokens(g) for g in drafted] == [tokens(g) for g in plain]
     assert drafting.stats.spec_accepted_tokens > 0
     assert drafting.pool.num_free == drafting.pool.num_blocks
+
+
+def test_a_stack_with_its_own_config_copy_attends_over_the_pool_too(
+    family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers 5.17 (the GPU image's) gives T5's decoder stack a copy of the config, which
+    its `set_attn_implementation` does not reach: the layers attended with SDPA over the step's
+    own tokens. Binding the pool sets every copy (5.17's behaviour stood in for here)."""
+    model_dir = family_dirs["mt5"]
+    engine = seq2seq_engine(model_dir)
+    runner = engine.runner
+    model = runner.model
+    copied = copy.deepcopy(model.config)
+    copied._attn_implementation = "sdpa"
+    for module in model.get_decoder().modules():
+        if hasattr(module, "config"):
+            module.config = copied
+
+    def top_config_only(name: str) -> None:
+        model.config._attn_implementation = name
+
+    monkeypatch.setattr(model, "set_attn_implementation", top_config_only)
+    runner.attention.bind(model, runner.kv_cache)
+    assert copied._attn_implementation == runner.attention.name
+    ids = sources(model_dir)[:2]
+    got = decode_in_one_batch(engine, ids, DecodingParams(max_tokens=8, temperature=0))
+    assert_each_equals_generate(model_dir, ids, got, max_new_tokens=8)

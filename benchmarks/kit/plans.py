@@ -27,6 +27,7 @@ KIT_TESTS = (
     "tests/test_api.py",
     "tests/test_lora.py",  # the LoRA kernel in the engine, token-exact against the merged model
     "tests/test_triton_lora.py",
+    "tests/test_seq2seq_engine.py",  # encoder-decoder families, token-exact against generate()
 )
 
 # What CUDA changes most, most important first (a failure budget or the deadline may cut the rest):

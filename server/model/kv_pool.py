@@ -92,6 +92,12 @@ class AttentionBinding:
         looks the function up on every forward)."""
         AttentionInterface.register(self.name, make_paged_attention(cache, self.kernel))
         model.set_attn_implementation(self.name)
+        # transformers before 5.2x set the model's own config only, and T5's encoder and decoder
+        # stacks keep copies of it: their layers would attend with SDPA over the step's tokens
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if type(config) is type(model.config) and config is not model.config:
+                config._attn_implementation = self.name
         self.cache = cache
 
     def unbind(self) -> None:
