@@ -431,7 +431,10 @@ def test_a_lora_server_runs_base_and_adapter_steps_through_their_compiled_graphs
     steps = runner.compiled_decode
     assert steps is not None and steps.adapters is not None
     graphs = {"base": steps.base, "adapters": steps.adapters}
-    assert all(g.source in ("compiled", "loaded") for g in graphs.values())
+    # a torch without `aot_compile` (the GPU image's 2.11) compiles each start: plain torch.compile
+    cached = hasattr(torch.compile(lambda: None), "aot_compile")
+    expected = ("compiled", "loaded") if cached else ("jit",)
+    assert all(g.source in expected for g in graphs.values())
     assert runner.lora is not None and runner.lora.state.step is None  # the warm-up's is gone
     engine = Engine(runner, AutoTokenizer.from_pretrained(llama_dir))
     for name, path in paths.items():
