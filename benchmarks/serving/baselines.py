@@ -61,8 +61,10 @@ def run_baselines(args: argparse.Namespace, workload: Workload, progress: Progre
                         )
                         progress.add(static)
                     continue
+                level = level_requests(reqs, c, args.rounds)
+                hf_baseline.warmup(hf, level[:c])
                 res, dur = hf_baseline.run_static_batches(
-                    hf, level_requests(reqs, c, args.rounds), c, args.ignore_eos, f"hf static b={c}"
+                    hf, level, c, args.ignore_eos, f"hf static b={c}"
                 )
                 static.runs.append(Run(c, summarize(res, dur)))
                 progress.add(static)
