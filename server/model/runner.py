@@ -108,8 +108,7 @@ class ModelRunner:
         self.config = text_config(model_dir)
         self.max_position_embeddings = int(getattr(self.config, "max_position_embeddings", 2048))
         self.tp = tp
-        # an encoder-decoder runner's compiled step pads (packing.py); set before the profile step
-        self.pad_cross = False
+        self.pad_cross = False  # an encoder-decoder's compiled step pads; read by profile steps
         weights = load_serving_weights(
             model_dir,
             device=device,
