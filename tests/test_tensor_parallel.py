@@ -356,6 +356,17 @@ def test_kv_heads_that_neither_divide_nor_are_divided_are_refused(gemma_dir: Pat
     check_tp_size(model, 2, torch.device("cpu"))  # 2 KV heads a rank
 
 
+def test_a_tied_models_plan_from_transformers_5_17_is_split(gemma_dir: Path) -> None:
+    """transformers 5.17 adds a vocabulary split of the embedding to a tied model's plan: the
+    split this server makes of every model's vocabulary (an unknown style is still refused)."""
+    model = text_config(gemma_dir)
+    model.base_model_tp_plan = {**model.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    check_tp_size(model, 2, torch.device("cpu"))
+    model.base_model_tp_plan = {**model.base_model_tp_plan, "lm_head": "sequence_parallel"}
+    with pytest.raises(TPConfigError, match="plan uses sequence_parallel"):
+        check_tp_size(model, 2, torch.device("cpu"))
+
+
 def test_more_ranks_than_gpus_is_refused(gemma_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(TPConfigError, match="needs 2 GPUs on this node; it has 1"):

@@ -34,6 +34,9 @@ FALLBACK_PLAN = {
     "layers.*.mlp.down_proj": ROWWISE,
 }
 UNSPLIT_STYLES = {"replicated_with_grad_allreduce"}  # q_norm/k_norm: per head, kept whole
+# transformers 5.17 adds `embed_tokens: embedding_rowwise` to a tied model's plan: the vocabulary
+# split every model gets here (_shard_vocabulary)
+VOCABULARY_STYLES = {"embedding_rowwise"}
 KV_PROJECTIONS = ("k_proj", "v_proj")
 
 
@@ -69,7 +72,8 @@ def check_tp_size(
     if isinstance(intermediate, int) and intermediate % size:
         problems.append(f"its MLP width {intermediate} does not divide by {size}")
     plan = getattr(config, "base_model_tp_plan", None) or FALLBACK_PLAN
-    unknown = {s for s in plan.values() if s not in (COLWISE, ROWWISE, *UNSPLIT_STYLES)}
+    known = (COLWISE, ROWWISE, *UNSPLIT_STYLES, *VOCABULARY_STYLES)
+    unknown = {s for s in plan.values() if s not in known}
     if unknown:
         problems.append(f"its tensor-parallel plan uses {', '.join(sorted(unknown))}")
     if problems:
