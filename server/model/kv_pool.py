@@ -92,8 +92,8 @@ class AttentionBinding:
         looks the function up on every forward)."""
         AttentionInterface.register(self.name, make_paged_attention(cache, self.kernel))
         model.set_attn_implementation(self.name)
-        # transformers before 5.2x set the model's own config only, and T5's encoder and decoder
-        # stacks keep copies of it: their layers would attend with SDPA over the step's tokens
+        # transformers 5.17's sets the model's own config only (5.24's reaches them all), and T5's
+        # encoder and decoder stacks keep copies: their layers would attend with SDPA
         for module in model.modules():
             config = getattr(module, "config", None)
             if type(config) is type(model.config) and config is not model.config:
