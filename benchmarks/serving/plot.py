@@ -5,6 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def plotted_peers(doc: dict, levels: list[float]) -> dict[str, list[dict]]:
+    """The recorded peer figures drawn beside this run, by peer: only for a run in the peers'
+    setting (`comparable`: the default model and workload; a GPU run of another model drew CPU
+    peers among its own lines), and only at this run's levels, so they do not stretch the axis."""
+    by_peer: dict[str, list[dict]] = {}
+    for peer in doc["recorded_peers"]:
+        if peer.get("comparable", True) and peer["concurrency"] in levels:
+            by_peer.setdefault(peer["system"], []).append(peer)
+    return by_peer
+
+
 def plot_results(doc: dict, path: Path) -> Path:
     import matplotlib
     import matplotlib.ticker
@@ -41,14 +52,8 @@ def plot_results(doc: dict, path: Path) -> Path:
         width = 2.5 if sysd["kind"] == "server" else 1.5
         ax_tps.plot(xs, tps, marker="o", linewidth=width, label=sysd["label"], color=color)
         ax_ttft.plot(xs, ttft, marker="o", linewidth=width, label=sysd["label"], color=color)
-    if (
-        doc["mode"] == "concurrency"
-    ):  # only at load levels of this run, so they don't stretch the axis
-        by_peer: dict[str, list[dict]] = {}
-        for p in doc["recorded_peers"]:
-            if p["concurrency"] in xs_all:
-                by_peer.setdefault(p["system"], []).append(p)
-        for name, pts in by_peer.items():
+    if doc["mode"] == "concurrency":
+        for name, pts in plotted_peers(doc, xs_all).items():
             ax_tps.plot(
                 [p["concurrency"] for p in pts],
                 [p["output_throughput"] for p in pts],

@@ -1,6 +1,7 @@
-"""HF `generate()` static batching, the GPU kit's baseline: each concurrency level's first batch
-runs once untimed before the level is timed, so the timed batches carry no one-time costs of that
-batch shape (on an H200 the first timed batch of 16 took about 12 s, the second about 3 s)."""
+"""The serving benchmark's baselines. HF `generate()` static batching runs each concurrency
+level's first batch once untimed before timing the level, so the timed batches carry no one-time
+costs of that batch shape (on an H200 the first timed batch of 16 took about 12 s, the second
+about 3 s). Recorded peer figures are drawn only beside a run in their setting."""
 
 from __future__ import annotations
 
@@ -47,3 +48,18 @@ def test_each_level_is_warmed_with_its_own_first_batch_before_it_is_timed(
         ("generate", list(range(16))),  # c = 16's
         ("timed b=16", list(range(32))),
     ]
+
+
+def test_recorded_peers_are_drawn_only_beside_a_run_in_their_setting() -> None:
+    """The CPU peers' recorded figures (default model, default workload) are drawn beside a run in
+    that setting only, at its levels: a GPU run of another model drew them among its own lines."""
+    from benchmarks.serving.plot import plotted_peers
+
+    peers = [
+        {"system": "llama-server", "concurrency": c, "output_throughput": t, "comparable": True}
+        for c, t in ((1, 50.0), (16, 120.0), (64, 130.0))
+    ]
+    doc = {"recorded_peers": peers}
+    assert [p["concurrency"] for p in plotted_peers(doc, [1, 16])["llama-server"]] == [1, 16]
+    doc = {"recorded_peers": [{**p, "comparable": False} for p in peers]}
+    assert plotted_peers(doc, [1, 16]) == {}
