@@ -16,7 +16,6 @@ vocabulary: a plain file of lengths and bytes, read in tens of milliseconds.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -33,7 +32,7 @@ from typing import BinaryIO
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from decoding.grammar import TokenBytes
-from server.model.compile_cache import WEIGHT_SUFFIXES, partial_path
+from server.model.compile_cache import WEIGHT_SUFFIXES, write_aside
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +80,12 @@ def _keep(tokenizer: PreTrainedTokenizerBase, entry: Path) -> None:
 
 
 def _write_aside(path: Path, write: Callable[[BinaryIO], None], what: str) -> None:
-    """Write `path` aside, then rename it into place: a start reading it never sees half. A
-    warning naming `what` when it cannot be kept (a read-only cache dir, a full disk)."""
-    partial = partial_path(path)
+    """write_aside, with a warning naming `what` when it cannot be kept (a read-only cache dir,
+    a full disk)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with partial.open("wb") as file:
-            write(file)
-        partial.replace(path)
+        write_aside(path, write)
     except Exception as error:
         log.warning("%s not kept in %s: %s", what, path.parent, error)
-        with contextlib.suppress(OSError):  # never written, or not writable either
-            partial.unlink(missing_ok=True)
 
 
 TOKEN_BYTES_MAGIC = b"beamline token bytes 1\n"

@@ -12,8 +12,9 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -78,6 +79,21 @@ def _safetensors_layout(path: Path) -> bytes:
 def partial_path(path: Path) -> Path:
     """Where this process writes `path` before renaming it into place."""
     return path.with_name(f"{path.name}.{os.getpid()}.partial")
+
+
+def write_aside(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """`write` `path`'s bytes aside, then rename them into place: a process reading it never sees
+    half. On an error the partial file is removed and the error raised."""
+    partial = partial_path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with partial.open("wb") as file:
+            write(file)
+        partial.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # never written, or not writable either
+            partial.unlink(missing_ok=True)
+        raise
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from server.model.compile_cache import WEIGHT_SUFFIXES, entry_lock, partial_path
+from server.model.compile_cache import WEIGHT_SUFFIXES, entry_lock, write_aside
 from server.model.int8_products import quantize_per_channel
 
 log = logging.getLogger(__name__)
@@ -76,14 +76,10 @@ def save_layers(entry: Path, layers: Layers) -> Layers | None:
     with entry_lock(entry):
         with contextlib.suppress(Exception):  # another process wrote it meanwhile (no warning:
             return _mapped(entry)  # an unreadable entry was reported already, and is replaced)
-        partial = partial_path(entry)
+        kept = {name: list(tensors) for name, tensors in layers.items()}
         try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({name: list(tensors) for name, tensors in layers.items()}, partial)
-            partial.replace(entry)
+            write_aside(entry, lambda file: torch.save(kept, file))
         except OSError as error:
-            with contextlib.suppress(OSError):
-                partial.unlink()
             log.warning("cannot keep the int8 weights in %s (%s)", entry, error)
             return None
     log.info("int8 weights kept for later starts: %s", entry)
