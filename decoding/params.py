@@ -81,12 +81,16 @@ class DecodingParams:
     # language): the first output token, and the last one max_tokens allows
     forced_bos_token_id: int | None = None
     forced_eos_token_ids: tuple[int, ...] = ()
+    # generate()'s begin_suppress_tokens (Whisper's generation config): never the first output
+    # token, EOS included
+    begin_suppress_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise container types so equal requests compare equal (lists from JSON, str keys).
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "forced_eos_token_ids", tuple(self.forced_eos_token_ids))
+        object.__setattr__(self, "begin_suppress_tokens", tuple(self.begin_suppress_tokens))
         object.__setattr__(self, "bad_words_ids", normalise_bad_words(self.bad_words_ids))
         object.__setattr__(self, "logit_bias", parse_logit_bias(self.logit_bias))
         if self.allowed_token_ids is not None:
@@ -127,6 +131,8 @@ class DecodingParams:
             check_int(self.forced_bos_token_id, "forced_bos_token_id", low=0)
         for token in self.forced_eos_token_ids:
             check_int(token, "forced_eos_token_ids", low=0)
+        for token in self.begin_suppress_tokens:
+            check_int(token, "begin_suppress_tokens", low=0)
         check_int(self.min_tokens, "min_tokens", low=0)
         check_int(self.n, "n", low=1)
         if self.best_of is not None:

@@ -144,7 +144,7 @@ class ProcessorTensors:
     logit_bias: Pairs | None = None  # value: bias
     repetition: Pairs | None = None  # value: penalty; one pair per token of prompt + output
     presence_frequency: Pairs | None = None  # value: frequency * count + presence, output tokens
-    banned: Pairs | None = None  # n-gram, bad words, min tokens
+    banned: Pairs | None = None  # n-gram, bad words, min tokens, begin suppression
     forced: Pairs | None = None  # rows whose next token is forced (forced BOS / EOS)
     kept: TablePenalties | None = None  # all three penalties of the rows kept in a table
 
@@ -189,6 +189,8 @@ def build_processor_tensors(
             bans.add(r, bad_word_bans(prompt_ids[r], output_ids[r], p.bad_words_ids, eos_ids), 0.0)
         if p.min_tokens and len(output_ids[r]) < p.min_tokens:
             bans.add(r, sorted(p.finishing_ids(eos_ids)), 0.0)
+        if p.begin_suppress_tokens and not output_ids[r]:
+            bans.add(r, list(p.begin_suppress_tokens), 0.0)
         if p.forced_bos_token_id is not None or p.forced_eos_token_ids:
             made = len(output_ids[r])
             if made == 0 and p.forced_bos_token_id is not None:

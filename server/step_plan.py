@@ -63,10 +63,14 @@ class DeferredTokens:
 class SourceEncode:
     """An encoder-decoder row (`row`, an index into the plan's rows) whose step writes source
     positions: the encoder runs over its whole `source` (it attends both ways) and the step
-    keeps the cross-attention keys and values of the positions it covers."""
+    keeps the cross-attention keys and values of the positions it covers. An audio source
+    (Whisper) is its log-mel `features`; its `source` ids are placeholders that hold its
+    positions (server/audio/).
+    """
 
     row: int
     source: list[int]
+    features: torch.Tensor | None = None  # [mel bins, frames] of an audio source
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,8 @@ def encode_plan(
         data += plan.source_lens
         data += (len(plan.source_groups), *plan.source_groups)
         for encode in plan.encodes:
+            if encode.features is not None:  # start-up refuses tensor parallelism for them
+                raise ValueError("an audio source's features have no int encoding")
             data += (encode.row, len(encode.source), *encode.source)
     floats = torch.cat(parts) if parts else (torch.empty(0) if plan.installs else None)
     return data, floats

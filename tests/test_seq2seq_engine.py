@@ -21,6 +21,7 @@ from server.model.seq2seq import t5
 from server.model.seq2seq.decoder import UnusedProjection
 from server.model.seq2seq.runner import Seq2SeqRunner
 from server.model.step_context import CrossStep
+from server.step_plan import SourceEncode
 from tests.conftest import TEST_DEVICE
 from tests.engine_driver import Collected, run_to_completion, submit
 from tests.tiny_seq2seq import FAMILIES, build_tiny_seq2seq
@@ -292,7 +293,8 @@ def test_int8_formats_run_the_decoder_and_the_head_in_int8(
             )
             assert len(int8_encoder) == layers * 6
         with torch.inference_mode():
-            encoded[quantization] = torch.cat(runner.parts.encode(ids, torch.device("cpu")))
+            encodes = [SourceEncode(r, source) for r, source in enumerate(ids)]
+            encoded[quantization] = torch.cat(runner.parts.encode(encodes, torch.device("cpu")))
         got = decode_in_one_batch(engine, ids, params)
         outputs[quantization] = [tokens(g)[0] for g in got]
         assert engine.pool.num_free == engine.pool.num_blocks

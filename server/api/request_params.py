@@ -35,6 +35,8 @@ CONVERTED_FIELDS: dict[str, str] = {
     "(generate()'s forced_bos_token_id)",
     "forced_eos_token_ids": "not a request field: an encoder-decoder model's generation config "
     "(generate()'s forced_eos_token_id, one id or several)",
+    "begin_suppress_tokens": "not a request field: a speech model's generation config "
+    "(generate()'s begin_suppress_tokens)",
 }
 PASSED_AS_IS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodingParams) if f.name not in CONVERTED_FIELDS

@@ -88,7 +88,7 @@ class PlanBuilder:
                 first_rows.setdefault(id(item.seq.request), r) for r, item in enumerate(items)
             ]
             plan.encodes = [
-                SourceEncode(r, item.seq.token_ids[:source])
+                SourceEncode(r, item.seq.token_ids[:source], item.seq.request.source_features)
                 for r, (item, source) in enumerate(zip(items, plan.source_lens))
                 if item.seq.num_computed < source
             ]

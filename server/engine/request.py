@@ -234,6 +234,8 @@ class EngineRequest:
     # an encoder-decoder request: its prompt is the source's ids, then the decoder's first
     # (model/seq2seq/runner.py); 0 for a decoder-only model
     source_len: int = 0
+    # an audio source's log-mel features (Whisper): its source ids are placeholders
+    source_features: torch.Tensor | None = None
 
     def prepare(self, eos_ids: frozenset[int], device: torch.device, max_model_len: int) -> None:
         """Admission: the ids that end it, its random stream, its beam search, its first row

@@ -15,14 +15,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSpeechSeq2Seq,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 SHOWN_KEYS = 3  # weight names quoted in a refusal; the count says how many there are
-# Encoder-decoder families served whole (model/seq2seq/): BART's and T5's, whose decoder layers
-# (self-attention, cross-attention, feed-forward) take their cross-attention keys and values from
-# the paged pool. Whisper's audio encoder is not built yet.
-SEQ2SEQ_FAMILIES = frozenset({"bart", "mbart", "marian", "pegasus", "m2m_100", "t5", "mt5"})
+# Encoder-decoder families served whole (model/seq2seq/): BART's, T5's and Whisper's, whose
+# decoder layers (self-attention, cross-attention, feed-forward) take their cross-attention keys
+# and values from the paged pool
+SEQ2SEQ_FAMILIES = frozenset(
+    {"bart", "mbart", "marian", "pegasus", "m2m_100", "t5", "mt5", "whisper"}
+)
 
 
 class UnservableModel(ValueError):
@@ -58,10 +65,23 @@ def is_seq2seq(config: Any) -> bool:
     )
 
 
+def auto_model_class(config: Any) -> Any:
+    """The transformers auto class that builds a servable model of `config` with its head."""
+    if is_seq2seq(config):
+        speech = getattr(config, "model_type", None) == "whisper"
+        return AutoModelForSpeechSeq2Seq if speech else AutoModelForSeq2SeqLM
+    return AutoModelForCausalLM
+
+
 def source_and_target_positions(config: Any) -> tuple[int, int]:
     """An encoder-decoder model's (source, decoder) positions: its position tables' sizes (T5's
-    relative positions have no table: its configs' n_positions, 512 when they name none)."""
-    size = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    relative positions have no table: its configs' n_positions, 512 when they name none;
+    Whisper's name both sides' own)."""
+    size = (
+        getattr(config, "max_target_positions", None)
+        or getattr(config, "max_position_embeddings", None)
+        or getattr(config, "n_positions", None)
+    )
     target = int(size or 512)
     return int(getattr(config, "max_source_positions", None) or target), target
 

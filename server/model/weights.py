@@ -10,9 +10,14 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
-from server.model.architecture import check_loaded_whole, check_servable, is_seq2seq
+from server.model.architecture import (
+    auto_model_class,
+    check_loaded_whole,
+    check_servable,
+    is_seq2seq,
+)
 from server.model.cpu_linear import apply_linear_layout
 from server.model.devices import dtype_warning
 from server.model.exact_weights import ExactWeights, int8_layers
@@ -71,7 +76,7 @@ def load_serving_weights(
     # On an accelerator the weights load straight onto it (no copy through host RAM), unless
     # they are split first: then each rank moves its share only.
     placement = {"device_map": str(device)} if device.type != "cpu" and tp is None else {}
-    auto_class = AutoModelForSeq2SeqLM if is_seq2seq(config) else AutoModelForCausalLM
+    auto_class = auto_model_class(config)
     loaded = auto_class.from_pretrained(
         model_dir,
         dtype=dtype,

@@ -27,17 +27,20 @@ from torch import nn
 from server.model.kv_cache import PagedKVCache
 from server.model.quantization import head_logits
 from server.model.step_context import DecodeStep, StepContext
+from server.step_plan import SourceEncode
 
 # how each family embeds a decoder position p (0 for the decoder's first token)
 LEARNED = "learned"  # BART, mBART: a table offset by 2, called with position ids
 SINUSOIDAL = "sinusoidal"  # Marian, Pegasus: a fixed table, called with position ids
 PADDING_OFFSET = "padding_offset"  # M2M100 / NLLB: fairseq's positions, padding_idx + 1 + p
+INDEXED = "indexed"  # Whisper: a learned table, row p
 POSITIONS = {
     "bart": LEARNED,
     "mbart": LEARNED,
     "marian": SINUSOIDAL,
     "pegasus": SINUSOIDAL,
     "m2m_100": PADDING_OFFSET,
+    "whisper": INDEXED,
 }
 # families whose decoder scales the token embeddings in its forward (the others' embedding
 # module scales them itself)
@@ -98,12 +101,13 @@ class Seq2SeqParts:
         shape = (part.shape[0], -1, head_dim)
         return key(part).view(shape), value(part).view(shape)
 
-    def encode(self, sources: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    def encode(self, encodes: list[SourceEncode], device: torch.device) -> list[torch.Tensor]:
         """The encoder's output [S, d_model] of each source, in one call: the sources padded on
         the right to the longest (which changes no source's positions), the padded keys masked.
         The mask is handed over whole ([B, 1, 1, S], True where a key is attended):
         transformers builds none for an attention function it does not know, as the encoder's
         is here (attention.py serves it with transformers' SDPA)."""
+        sources = [encode.source for encode in encodes]
         longest = max(len(source) for source in sources)
         pad = getattr(self.model.config, "pad_token_id", None) or 0
         ids = torch.full((len(sources), longest), pad, dtype=torch.long)
@@ -178,6 +182,8 @@ class Seq2SeqParts:
             return cast(torch.Tensor, table(relative[None], 0, position_ids=relative))
         if kind == SINUSOIDAL:
             return cast(torch.Tensor, table((1, relative.numel()), 0, position_ids=relative))
+        if kind == INDEXED:
+            return cast(torch.Tensor, table.weight.index_select(0, relative))
         return cast(torch.Tensor, table.weights.index_select(0, relative + table.padding_idx + 1))
 
     def logits(

@@ -45,7 +45,7 @@ from server.model.packing import slots
 from server.model.paged_step import PagedStep
 from server.model.runner import ModelRunner
 from server.model.seq2seq.decoder import packed_decode
-from server.model.seq2seq.t5 import parts_of
+from server.model.seq2seq.families import parts_of
 from server.model.step_context import CrossStep, DecodeStep, StepContext
 from server.step_plan import StepOutput, StepPlan
 
@@ -161,7 +161,7 @@ class Seq2SeqRunner(ModelRunner):
         is encoded once, not once per chunk."""
         fresh = [e for e in plan.encodes if plan.row_ids[e.row] not in self._encoded]
         if fresh:
-            outputs = self.parts.encode([e.source for e in fresh], self.device)
+            outputs = self.parts.encode(fresh, self.device)
             for encode, output in zip(fresh, outputs):
                 self._encoded[plan.row_ids[encode.row]] = output
         parts: list[torch.Tensor] = []

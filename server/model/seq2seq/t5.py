@@ -29,13 +29,6 @@ from server.model.step_context import DecodeStep, StepContext
 T5_FAMILIES = frozenset({"t5", "mt5"})
 
 
-def parts_of(model: nn.Module, model_type: str) -> Seq2SeqParts:
-    """The parts of a loaded encoder-decoder model, by its family."""
-    if model_type in T5_FAMILIES:
-        return T5Parts(model, model_type)
-    return Seq2SeqParts(model, model_type)
-
-
 def relative_bias(attention: Any, relative: torch.Tensor) -> torch.Tensor:
     """The bias [..., heads] of key-minus-query distances `relative` (a decoder's: one way)."""
     buckets = attention._relative_position_bucket(

@@ -1,0 +1,2 @@
+"""Speech to text: audio uploads decoded (decode.py), their log-mel windows (features.py) and the
+decoder prompts and decoding defaults of a Whisper model (speech_model.py)."""
