@@ -19,6 +19,7 @@ from server.engine.client import EngineClient
 from server.loading import check_tensor_parallel, freeze_start_up_objects, load_engine
 from server.metrics import Metrics
 from server.model.architecture import check_servable
+from server.model.ct2_whisper import is_ct2_whisper
 from server.model.devices import pick_device
 from server.model.loader import (
     default_cache_dir,
@@ -60,7 +61,8 @@ def prepare_model(config: ServerConfig) -> ServerConfig:
         "%s; the port opens now and /health answers 503 until the model is ready",
         loading_plan(located, config.cache_dir),
     )
-    if located.path.is_dir():  # a GGUF file: once converted, before the engine loads
+    # a GGUF file or a CTranslate2 Whisper: once converted, before the engine loads
+    if located.path.is_dir() and not is_ct2_whisper(located.path):
         check_servable(located.path)  # an encoder-decoder model is refused before the port opens
         check_tensor_parallel(config, located.path)
     name = config.served_model_name or located.name

