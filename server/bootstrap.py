@@ -12,6 +12,7 @@ from pathlib import Path
 from server.api.encoder_decoder import SourceModel
 from server.api.sampling_defaults import describe, read_sampling_defaults
 from server.api.serving import ServingContext
+from server.audio.speech_model import SpeechModel
 from server.config import ServerConfig
 from server.device_defaults import with_device_defaults
 from server.engine.async_engine import AsyncEngine
@@ -185,6 +186,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         metrics=metrics,
         model_sampling_defaults=read_sampling_defaults(model_dir),
         encoder_decoder=SourceModel.read(model_dir, tokenizer),
+        speech=SpeechModel.read(model_dir, tokenizer),
         grammar_token_bytes=token_bytes_path(model_dir, config.cache_dir or default_cache_dir()),
     )
     if ctx.encoder_decoder is not None:  # generate()'s defaults too; greedy unless it samples

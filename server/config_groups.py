@@ -71,6 +71,8 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "cors_allow_origins",
         "max_body_bytes",
         "max_header_bytes",
+        "max_audio_bytes",
+        "max_audio_seconds",
     ),
     "observability": ("log_level", "log_format"),
 }

@@ -66,6 +66,8 @@ def build_tiny_whisper(path: str | Path, seed: int = 0, multilingual: bool = Fal
         generation.lang_to_id = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
         tasks = ("transcribe", "translate")
         generation.task_to_id = {t: tokenizer.convert_tokens_to_ids(f"<|{t}|>") for t in tasks}
+        # as the checkpoints have it: detect the language, then transcribe
+        generation.forced_decoder_ids = [[1, None], [2, generation.task_to_id["transcribe"]]]
     path = Path(path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

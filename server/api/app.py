@@ -26,20 +26,23 @@ from server.api import (
     serving,
     streaming,
     tokenization,
+    transcriptions,
 )
+from server.api.audio_forms import TranscriptionForm, TranslationForm, read_form
 from server.api.errors import APIError, install_error_handlers
 from server.api.guards import APIKeyGuard, BodySizeGuard
 from server.api.lora_routes import install_lora_routes
 from server.api.middleware import RequestIdMiddleware
 from server.api.models_route import ModelList, model_list
 from server.api.openapi import describe_as_served
-from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.api.protocol import ChatCompletionRequest, CompletionRequest, new_id
 from server.api.response_store import ResponseStore
 from server.api.serving import Job, ServingContext
 from server.api.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest
 from server.config import ServerConfig
 
 log = logging.getLogger(__name__)
+AUDIO_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 
 
 class ServingState:
@@ -150,7 +153,11 @@ def create_app(
     describe_as_served(app)
     app.state.serving = state
     # Added innermost first: the request id wraps everything, CORS answers preflights before auth.
-    app.add_middleware(BodySizeGuard, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        BodySizeGuard,
+        max_bytes=config.max_body_bytes,
+        by_path={path: config.max_audio_bytes for path in AUDIO_ROUTES},
+    )
     public = [*config.public_paths, *(playground.PUBLIC_PATHS if config.playground else ())]
     app.add_middleware(APIKeyGuard, keys=config.all_api_keys(), public_paths=public)
     if config.cors_allow_origins:
@@ -306,6 +313,25 @@ def create_app(
         call = await responses_api.prepare(state.require(), response_store, body)
         stream = (lambda: responses_stream.stream_response(call)) if call.streams else None
         return await run(request, call.ctx, [call.job], stream, lambda: responses_api.respond(call))
+
+    async def audio_route(request: Request, task: str):
+        c = state.require()
+        form_class = TranslationForm if task == "translate" else TranscriptionForm
+        form, data, _ = await read_form(request, form_class)
+        call = await transcriptions.prepare(c, form, data, task)
+        request_id = new_id("trsc")
+        stream = (lambda: transcriptions.stream(c, request_id, call)) if form.stream else None
+        return await run(
+            request, c, [call.job], stream, lambda: transcriptions.respond(c, request_id, call)
+        )
+
+    @app.post("/v1/audio/transcriptions", response_model=None)
+    async def create_transcription(request: Request):
+        return await audio_route(request, "transcribe")
+
+    @app.post("/v1/audio/translations", response_model=None)
+    async def create_translation(request: Request):
+        return await audio_route(request, "translate")
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> JSONResponse:

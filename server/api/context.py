@@ -9,6 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from server.api.encoder_decoder import SourceModel
+from server.audio.speech_model import SpeechModel
 from server.config import ServerConfig
 from server.engine.client import EngineClient
 from server.grammars import GrammarService
@@ -27,6 +28,7 @@ class ServingContext:
     # the sampling fields the model's generation_config.json sets (sampling_defaults.py)
     model_sampling_defaults: dict[str, Any] = field(default_factory=dict)
     encoder_decoder: SourceModel | None = None  # an encoder-decoder model's (None: decoder-only)
+    speech: SpeechModel | None = None  # a speech model's (Whisper): the audio routes serve it
     grammar_token_bytes: Path | None = None  # where the grammar engine's vocabulary is kept
     grammars: GrammarService = field(init=False)  # structured outputs' compiles and cache
 

@@ -79,10 +79,10 @@ class SourceModel:
     @classmethod
     def read(cls, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> SourceModel | None:
         """From the model's config and generation config, or the generation config
-        transformers derives from the model's (None: a decoder-only model)."""
+        transformers derives from the model's (None: a decoder-only or speech model)."""
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        if not getattr(config, "is_encoder_decoder", False):
-            return None
+        if not getattr(config, "is_encoder_decoder", False) or config.model_type == "whisper":
+            return None  # a decoder-only model, or a speech model (server/audio/)
         if (model_dir / "generation_config.json").is_file():
             generation = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
         else:
@@ -227,6 +227,16 @@ def generate_defaults(written: dict[str, Any]) -> dict[str, Any]:
         eos = [forced_eos] if isinstance(forced_eos, int) else list(forced_eos)
         defaults["forced_eos_token_ids"] = tuple(int(t) for t in eos)
     return defaults
+
+
+def refuse_text() -> NoReturn:
+    """The text routes on a speech model."""
+    raise bad_request(
+        "this is a speech model (Whisper): send audio to /v1/audio/transcriptions or "
+        "/v1/audio/translations",
+        "model",
+        "unsupported_model",
+    )
 
 
 def refuse_chat() -> NoReturn:

@@ -88,19 +88,22 @@ class APIKeyGuard:
 
 
 class BodySizeGuard:
-    """413 for bodies over `max_bytes`, by Content-Length or by counting a chunked body."""
+    """413 for bodies over `max_bytes` (the paths of `by_path` over their own limits: audio
+    uploads), by Content-Length or by counting a chunked body."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, by_path: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.by_path = by_path or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.by_path.get(scope.get("path", ""), self.max_bytes)
         length = dict(scope["headers"]).get(b"content-length")
-        too_big = f"request body exceeds {self.max_bytes} bytes"
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+        too_big = f"request body exceeds {limit} bytes"
+        if length is not None and (not length.isdigit() or int(length) > limit):
             await _send_error(send, 413, too_big, "invalid_request_error", "body_too_large")
             return
         # Read the whole (bounded) body first, so an oversized chunked body is refused cleanly
@@ -113,7 +116,7 @@ class BodySizeGuard:
             if message["type"] != "http.request":
                 break
             seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
+            if seen > limit:
                 await _send_error(send, 413, too_big, "invalid_request_error", "body_too_large")
                 return
             if not message.get("more_body", False):

@@ -30,7 +30,13 @@ def _engine_outputs(
     ctx: ServingContext, request_id: str, job: Job
 ) -> AsyncGenerator[RequestOutput, None]:
     return ctx.engine.generate(
-        request_id, job.prompt_ids, job.params, job.grammar, job.adapter, job.source_len
+        request_id,
+        job.prompt_ids,
+        job.params,
+        job.grammar,
+        job.adapter,
+        job.source_len,
+        job.source_features,
     )
 
 

@@ -9,11 +9,13 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from decoding import DecodingParams
 from decoding.grammar import Grammar
 from server.api import tools
 from server.api.context import ServingContext
-from server.api.encoder_decoder import no_languages, refuse_chat
+from server.api.encoder_decoder import no_languages, refuse_chat, refuse_text
 from server.api.errors import APIError, bad_request
 from server.api.protocol import (
     ChatCompletionRequest,
@@ -87,6 +89,7 @@ class Job:
     return_token_ids: bool = False  # vLLM's: prompt and output token ids in the response
     adapter: str | None = None  # the LoRA adapter it runs with (the request's `model`)
     source_len: int = 0  # an encoder-decoder model's source: the prompt's first ids
+    source_features: torch.Tensor | None = None  # a speech model's window (server/audio/)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,6 +99,8 @@ class Job:
 
 def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
     adapter = check_model(ctx, req.model)
+    if ctx.speech is not None:
+        refuse_text()
     if req.suffix:
         raise bad_request(
             "suffix is not supported (no fill-in-the-middle)", "suffix", "unsupported"
@@ -228,6 +233,8 @@ def _echo_text(ctx: ServingContext, prompt: str | list[int], ids: list[int]) -> 
 
 def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
     adapter = check_model(ctx, req.model)
+    if ctx.speech is not None:
+        refuse_text()
     if ctx.encoder_decoder is not None:
         refuse_chat()
     if req.top_logprobs is not None and not req.logprobs:

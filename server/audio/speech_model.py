@@ -14,12 +14,19 @@ blocks and no two different windows ever do.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    WhisperFeatureExtractor,
+)
+
+from server.audio.features import feature_extractor
 
 TASKS = ("transcribe", "translate")
 
@@ -37,6 +44,7 @@ class SpeechModel:
     tasks: dict[str, int]  # "transcribe" / "translate" -> its token
     suppress_tokens: tuple[int, ...]
     begin_suppress_tokens: tuple[int, ...]
+    extractor: WhisperFeatureExtractor = field(compare=False, repr=False)
 
     @classmethod
     def read(cls, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> SpeechModel | None:
@@ -75,6 +83,7 @@ class SpeechModel:
             tasks={str(task): int(i) for task, i in task_to_id.items()},
             suppress_tokens=tuple(int(t) for t in generation.suppress_tokens or ()),
             begin_suppress_tokens=tuple(int(t) for t in generation.begin_suppress_tokens or ()),
+            extractor=feature_extractor(model_dir, int(config.num_mel_bins)),
         )
 
     def decoder_prompt(
@@ -90,6 +99,16 @@ class SpeechModel:
         if not timestamps:
             prompt.append(self.no_timestamps)
         return prompt
+
+    def previous_text(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+        """The decoder's prompt before its start for earlier text (`prompt`): `<|startofprev|>`
+        and the text's tokens after a space, as transformers' `get_prompt_ids` makes them, kept
+        to the last half of the decoder's positions (openai-whisper's limit)."""
+        if self.start_of_previous is None:
+            return []
+        ids = tokenizer(" " + text.strip(), add_special_tokens=False).input_ids
+        room = self.max_target_positions // 2 - 1
+        return [self.start_of_previous, *ids[max(0, len(ids) - room) :]]
 
     def engine_prompt(self, decoder_prompt: list[int]) -> list[int]:
         """A window's engine prompt: its source's placeholders, then `decoder_prompt`."""

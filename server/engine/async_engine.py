@@ -15,6 +15,8 @@ import threading
 from collections import defaultdict
 from collections.abc import AsyncGenerator, Callable
 
+import torch
+
 from decoding import DecodingParams
 from decoding.grammar import Grammar
 from server.engine.client import AdapterLoadError, EngineDead, KVCapacity, stream_outputs
@@ -145,6 +147,7 @@ class AsyncEngine:
         grammar: Grammar | None = None,
         adapter: str | None = None,
         source_len: int = 0,
+        source_features: torch.Tensor | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished
         (client.stream_outputs); its rows are constrained by `grammar` when given, and run
@@ -165,6 +168,7 @@ class AsyncEngine:
             trace_id=request_id_var.get(),
             constraint=grammar.new_constraint() if grammar is not None else None,
             source_len=source_len,
+            source_features=source_features,
         )
         request.adapter_name = adapter
         self.engine.submit(request)

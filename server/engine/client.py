@@ -13,6 +13,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from decoding import DecodingParams
 from decoding.grammar import Grammar
 from server.engine.request import RequestOutput
@@ -78,11 +80,13 @@ class EngineClient(Protocol):
         grammar: Grammar | None = None,
         adapter: str | None = None,
         source_len: int = 0,
+        source_features: torch.Tensor | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished (each row
         constrained by `grammar`, when given; through the LoRA `adapter` of that name, when
         given; an encoder-decoder model's prompt is its `source_len` source ids, then the
-        decoder's start). Leaving the iteration early aborts the request."""
+        decoder's prompt; a speech model's source ids are placeholders of its audio's
+        `source_features`). Leaving the iteration early aborts the request."""
         ...
 
     def adapter_names(self) -> dict[str, str]:

@@ -24,7 +24,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -228,7 +228,7 @@ def convert(model_dir: Path, target: Path) -> None:
             weights[name] = weight = weight.clone()
         seen.add(weight.untyped_storage().data_ptr())
     tokenizer = WhisperTokenizer(tokenizer_file=str(model_dir / "tokenizer.json"))
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL}
+    ids = {t: int(cast(int, tokenizer.convert_tokens_to_ids(t))) for t in _SPECIAL}
     config = WhisperConfig(
         **sizes,
         decoder_start_token_id=ids["<|startoftranscript|>"],

@@ -19,6 +19,8 @@ import threading
 from collections import defaultdict
 from collections.abc import AsyncGenerator
 
+import torch
+
 from decoding import DecodingParams
 from decoding.grammar import Grammar
 from server.config import ServerConfig
@@ -171,6 +173,7 @@ class EngineProcessClient:
         grammar: Grammar | None = None,
         adapter: str | None = None,
         source_len: int = 0,
+        source_features: torch.Tensor | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self.alive:
             raise EngineDead("engine is not running")
@@ -183,7 +186,16 @@ class EngineProcessClient:
         spec = grammar.spec if grammar is not None else None
         trace_id = request_id_var.get()
         self._outgoing.put(
-            Submit(request_id, prompt_ids, params, trace_id, spec, adapter, source_len)
+            Submit(
+                request_id,
+                prompt_ids,
+                params,
+                trace_id,
+                spec,
+                adapter,
+                source_len,
+                source_features,
+            )
         )
 
         def abort() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from decoding import DecodingParams
 from decoding.grammar import GrammarSpec
 from server.engine.request import RequestOutput
@@ -24,6 +26,7 @@ class Submit:
     grammar: GrammarSpec | None = None  # compiled again (and cached) in the engine process
     adapter: str | None = None  # the LoRA adapter's name
     source_len: int = 0  # an encoder-decoder model's source: the prompt's first ids
+    source_features: torch.Tensor | None = None  # a speech model's audio (its source's)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ import itertools
 import threading
 from collections.abc import AsyncGenerator, Callable
 
+import torch
+
 from decoding import DecodingParams
 from decoding.grammar import Grammar
 from server.config import ServerConfig
@@ -203,6 +205,7 @@ class ReplicatedEngine:
         grammar: Grammar | None = None,
         adapter: str | None = None,
         source_len: int = 0,
+        source_features: torch.Tensor | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self.alive:
             raise EngineDead("engine is not running")
@@ -211,7 +214,7 @@ class ReplicatedEngine:
         try:
             copy = self.copies[index]
             async for out in copy.generate(
-                request_id, prompt_ids, params, grammar, adapter, source_len
+                request_id, prompt_ids, params, grammar, adapter, source_len, source_features
             ):
                 yield out
         finally:

@@ -138,6 +138,7 @@ class EngineLoop:
             self.emit,
             trace_id=message.trace_id,
             source_len=message.source_len,
+            source_features=message.source_features,
         )
         request.adapter_name = message.adapter
         if message.grammar is not None:

@@ -1,0 +1,82 @@
+"""The multipart forms of OpenAI's audio routes, as the openai SDK sends them: the upload in
+`file`, every other field a form field (lists as repeated `name[]` fields), checked by pydantic
+so that a wrong field is a 400 naming it, as for a JSON body. beamline's decoding fields
+(`num_beams`, `best_of`, `length_penalty`) ride along as form fields."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.datastructures import UploadFile
+
+from server.api.errors import bad_request
+
+ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
+LIST_FIELDS = ("timestamp_granularities", "include")
+
+
+class TranscriptionForm(BaseModel):
+    """The fields of /v1/audio/transcriptions (translations take all but `language`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="the served model's id (or any: one model is served)")
+    language: str | None = Field(
+        None, description="the audio's language, ISO-639-1 ('en'); detected when absent"
+    )
+    prompt: str | None = Field(
+        None, description="earlier text the transcript continues (Whisper's previous-text prompt)"
+    )
+    response_format: ResponseFormat = "json"
+    temperature: float = Field(0.0, ge=0.0, le=1.0, description="0: greedy or beams")
+    timestamp_granularities: list[Literal["segment", "word"]] = Field(default_factory=list)
+    include: list[str] = Field(default_factory=list)
+    stream: bool = False
+    # beamline's decoding fields
+    num_beams: int = Field(1, ge=1, le=16, description="beam search over this many beams")
+    best_of: int | None = Field(
+        None, ge=1, le=16, description="with temperature > 0: samples drawn, the likeliest kept"
+    )
+    length_penalty: float = Field(1.0, description="beam scores divided by length ** this")
+
+
+class TranslationForm(TranscriptionForm):
+    language: None = Field(None, description="not a field of translations")
+
+
+async def read_form(
+    request: Request, form_class: type[TranscriptionForm]
+) -> tuple[TranscriptionForm, bytes, str]:
+    """The form's fields, its upload's bytes and file name; a 400 for a body that is not a
+    multipart form, a missing or second file, or a field pydantic refuses."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        raise bad_request(
+            "send the audio as a multipart form (Content-Type: multipart/form-data) with the "
+            "file in the field `file`, as OpenAI's audio routes take it",
+            None,
+            "invalid_content_type",
+        )
+    form = await request.form()
+    uploads = form.getlist("file")
+    if len(uploads) != 1 or not isinstance(uploads[0], UploadFile):
+        problem = "is missing" if not uploads else "must be one uploaded file"
+        raise bad_request(f"file {problem}: the audio to transcribe", "file", "invalid_file")
+    fields: dict[str, object] = {}
+    for key in {k for k in form.keys() if k != "file"}:
+        name = key.removesuffix("[]")
+        values = [v for v in form.getlist(key) if isinstance(v, str)]
+        if len(values) != len(form.getlist(key)):
+            raise bad_request(f"{name} must be a form field, not a file", name, "invalid_value")
+        fields[name] = values if name in LIST_FIELDS else values[-1]
+    try:
+        parsed = form_class.model_validate(fields)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        ) from None
+    upload = uploads[0]
+    return parsed, await upload.read(), upload.filename or "audio"

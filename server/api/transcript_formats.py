@@ -1,0 +1,84 @@
+"""A transcript in each of OpenAI's response formats: json, text, verbose_json (segments, the
+task, language and duration), srt and vtt (subtitles of the segments). A window decoded without
+timestamps is one segment spanning the audio."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+
+@dataclass(frozen=True)
+class Heard:
+    """What a response reports besides the text: the task, the language's name, the audio's
+    seconds, the temperature it was decoded at."""
+
+    task: str
+    language: str
+    duration: float
+    temperature: float
+
+
+def render(
+    response_format: str, call: Heard, text: str, tokens: list[int], logprobs: list[float]
+) -> JSONResponse | PlainTextResponse:
+    text = text.strip()
+    form = response_format
+    if form == "text":
+        return PlainTextResponse(text + "\n")
+    segments = [segment(call, text, tokens, logprobs)]
+    if form == "srt":
+        return PlainTextResponse(subtitles(segments, ",", numbered=True), media_type="text/plain")
+    if form == "vtt":
+        cues = subtitles(segments, ".", numbered=False)
+        return PlainTextResponse("WEBVTT\n\n" + cues, media_type="text/vtt")
+    usage = {"type": "duration", "seconds": math.ceil(call.duration)}
+    if form == "json":
+        return JSONResponse({"text": text, "usage": usage})
+    body: dict[str, Any] = {
+        "task": call.task,
+        "language": call.language,
+        "duration": round(call.duration, 3),
+        "text": text,
+        "segments": segments,
+        "usage": usage,
+    }
+    return JSONResponse(body)
+
+
+def segment(call: Heard, text: str, tokens: list[int], logprobs: list[float]) -> dict[str, Any]:
+    """verbose_json's segment of a window decoded as a whole."""
+    data = text.encode()
+    return {
+        "id": 0,
+        "seek": 0,
+        "start": 0.0,
+        "end": round(call.duration, 3),
+        "text": text,
+        "tokens": tokens,
+        "temperature": call.temperature,
+        "avg_logprob": sum(logprobs) / len(logprobs) if logprobs else 0.0,
+        "compression_ratio": len(data) / len(zlib.compress(data)) if data else 0.0,
+        "no_speech_prob": None,  # not measured yet
+    }
+
+
+def subtitles(segments: list[dict[str, Any]], decimal: str, numbered: bool) -> str:
+    cues = []
+    for i, seg in enumerate(segments, 1):
+        span = f"{stamp(seg['start'], decimal)} --> {stamp(seg['end'], decimal)}"
+        cues.append(f"{i}\n{span}\n{seg['text']}\n" if numbered else f"{span}\n{seg['text']}\n")
+    return "\n".join(cues)
+
+
+def stamp(seconds: float, decimal: str) -> str:
+    """hh:mm:ss,mmm (srt) or hh:mm:ss.mmm (vtt)."""
+    millis = round(seconds * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{decimal}{millis:03d}"

@@ -1,0 +1,65 @@
+"""Audio for the speech tests: speech synthesized by espeak-ng, and samples encoded into the
+containers an upload may come in (PyAV's encoders: no ffmpeg binary needed)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tempfile
+
+import av
+import numpy as np
+import pytest
+
+# (container format, codec, codec rate): what browsers and phones record, and the classics
+CONTAINERS = {
+    "wav": ("wav", "pcm_s16le", None),
+    "flac": ("flac", "flac", None),
+    "mp3": ("mp3", "libmp3lame", None),
+    "ogg": ("ogg", "libopus", 48_000),
+    "m4a": ("ipod", "aac", None),
+    "webm": ("webm", "libopus", 48_000),
+}
+
+
+def encode(samples: np.ndarray, kind: str, rate: int = 16_000) -> bytes:
+    """Mono float `samples` at `rate` as a file of `kind` (a CONTAINERS key)."""
+    container_format, codec, codec_rate = CONTAINERS[kind]
+    out = io.BytesIO()
+    with av.open(out, mode="w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=codec_rate or rate, layout="mono")
+        pcm = (np.clip(samples, -1, 1) * 32767).astype(np.int16)
+        for start in range(0, len(pcm), 1024):
+            frame = av.AudioFrame.from_ndarray(
+                pcm[None, start : start + 1024], format="s16", layout="mono"
+            )
+            frame.sample_rate = rate
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return out.getvalue()
+
+
+def tone(seconds: float, rate: int = 16_000, seed: int = 0) -> np.ndarray:
+    """A chord with a little noise: audio a random model hears as something."""
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(seed).normal(0, 0.05, t.shape)
+    return (0.3 * np.sin(2 * np.pi * 440 * t) + 0.2 * np.sin(2 * np.pi * 660 * t) + noise).astype(
+        np.float32
+    )
+
+
+def espeak_wav(text: str, words_per_minute: int = 150) -> bytes:
+    """`text` spoken by espeak-ng (Debian's package), as a wav file."""
+    if shutil.which("espeak-ng") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("espeak-ng is missing (apt-get install espeak-ng)")
+        pytest.skip("espeak-ng is not installed")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "speech.wav")
+        subprocess.run(["espeak-ng", "-s", str(words_per_minute), "-w", path, text], check=True)
+        with open(path, "rb") as f:
+            return f.read()

@@ -1,0 +1,219 @@
+"""A Whisper model behind OpenAI's audio routes (a tiny random Whisper started as `beamline
+serve` starts it): uploads of every container decoded, the transcript token-exact against
+`generate()` of the same audio (greedy, beams, an earlier-text prompt, a detected language), in
+every response format and streamed; hostile uploads a clear 4xx with the server still serving."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import cast
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+from server.api.app import create_app
+from server.api.serving import ServingContext
+from server.audio.decode import decode_audio
+from tests.audio_files import CONTAINERS, encode, tone
+from tests.conftest import started_client
+from tests.tiny_whisper import build_tiny_whisper
+
+AUDIO = tone(3.0)
+WAV = encode(AUDIO, "wav")
+
+
+@pytest.fixture(scope="module")
+def whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_whisper(tmp_path_factory.mktemp("whisper_api") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def multilingual_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_whisper(tmp_path_factory.mktemp("whisper_api") / "multi", multilingual=True)
+
+
+def settings() -> dict:
+    return dict(num_kv_blocks=512, block_size=16, max_num_batched_tokens=4096)
+
+
+@pytest.fixture
+async def client(whisper_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
+    async with started_client(whisper_dir, "whisper", **settings()) as c:
+        yield c
+
+
+def expected(model_dir: Path, samples: np.ndarray, **kwargs: object) -> str:
+    """`generate()`'s transcript of `samples` (short-form: one window). A random model seldom
+    ends: where its decoder reaches its last position, transformers decodes the window again
+    and appends that; the window's transcript is the first pass, the tokens its decoder has
+    room for (its prompt comes first)."""
+    extractor = WhisperFeatureExtractor.from_pretrained(model_dir)
+    features = extractor(samples, sampling_rate=16_000, return_tensors="pt").input_features
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(features, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = cast(torch.Tensor | None, kwargs.get("prompt_ids"))
+    start = 4 if model.generation_config.is_multilingual else 2  # <|startoftranscript|> ...
+    room = model.config.max_target_positions - start - (0 if prompt is None else len(prompt))
+    return tokenizer.decode(out[0, :room], skip_special_tokens=True).strip()
+
+
+def upload(data: bytes = WAV, name: str = "audio.wav", **fields: object) -> dict:
+    form = {"model": "whisper", **fields}
+    return {"files": {"file": (name, data)}, "data": {k: str(v) for k, v in form.items()}}
+
+
+async def transcribe(client: httpx.AsyncClient, **kwargs: object) -> httpx.Response:
+    return await client.post("/v1/audio/transcriptions", **upload(**kwargs))
+
+
+async def test_a_transcript_is_generates_text(client: httpx.AsyncClient, whisper_dir: Path) -> None:
+    r = await transcribe(client)
+    assert r.status_code == 200, r.text
+    text = expected(whisper_dir, decode_audio(WAV, 30))
+    assert r.json() == {"text": text, "usage": {"type": "duration", "seconds": 3}}
+    assert text  # the random model says something
+
+
+async def test_beams_and_a_previous_text_prompt_are_generates(
+    client: httpx.AsyncClient, whisper_dir: Path
+) -> None:
+    samples = decode_audio(WAV, 30)
+    r = await transcribe(client, num_beams=5)
+    assert r.json()["text"] == expected(whisper_dir, samples, num_beams=5)
+    tokenizer = AutoTokenizer.from_pretrained(whisper_dir)
+    prompt_ids = torch.tensor(
+        [tokenizer.convert_tokens_to_ids("<|startofprev|>")]
+        + tokenizer(" Earlier words.", add_special_tokens=False).input_ids
+    )
+    r = await transcribe(client, prompt="Earlier words.")
+    assert r.json()["text"] == expected(whisper_dir, samples, prompt_ids=prompt_ids)
+
+
+@pytest.mark.parametrize("kind", sorted(CONTAINERS))
+async def test_every_container_is_decoded(client: httpx.AsyncClient, kind: str) -> None:
+    data = encode(AUDIO, kind)
+    r = await transcribe(client, data=data, name=f"audio.{kind}", response_format="text")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    lossless = kind in ("wav", "flac")
+    if lossless:  # the same samples: the same transcript
+        assert r.text == (await transcribe(client, response_format="text")).text
+
+
+async def test_the_response_formats(client: httpx.AsyncClient, whisper_dir: Path) -> None:
+    text = expected(whisper_dir, decode_audio(WAV, 30))
+    r = await transcribe(client, response_format="text")
+    assert r.text == text + "\n"
+    r = await transcribe(client, response_format="srt")
+    assert r.text == f"1\n00:00:00,000 --> 00:00:03,000\n{text}\n"
+    r = await transcribe(client, response_format="vtt")
+    assert r.text == f"WEBVTT\n\n00:00:00.000 --> 00:00:03.000\n{text}\n"
+    r = await transcribe(
+        client, response_format="verbose_json", **{"timestamp_granularities[]": "segment"}
+    )
+    body = r.json()
+    assert (body["task"], body["language"], body["duration"], body["text"]) == (
+        "transcribe",
+        "english",
+        3.0,
+        text,
+    )
+    (segment,) = body["segments"]
+    assert (segment["start"], segment["end"], segment["text"]) == (0.0, 3.0, text)
+    assert segment["avg_logprob"] < 0 and segment["compression_ratio"] > 0
+
+
+async def test_a_stream_sends_deltas_then_the_whole_text(
+    client: httpx.AsyncClient, whisper_dir: Path
+) -> None:
+    text = expected(whisper_dir, decode_audio(WAV, 30))
+    r = await transcribe(client, stream="true")
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    deltas = [e["delta"] for e in events if e["type"] == "transcript.text.delta"]
+    assert len(deltas) > 1 and "".join(deltas).strip() == text
+    assert events[-1] == {"type": "transcript.text.done", "text": text}
+
+
+async def test_a_multilingual_model_detects_the_language_and_translates(
+    multilingual_dir: Path,
+) -> None:
+    samples = decode_audio(WAV, 30)
+    async with started_client(multilingual_dir, "whisper", **settings()) as client:
+        r = await transcribe(client, response_format="verbose_json")
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == expected(multilingual_dir, samples)  # detects, as generate()
+        r = await transcribe(client, language="de")
+        assert r.json()["text"] == expected(multilingual_dir, samples, language="de")
+        r = await client.post("/v1/audio/translations", **upload())
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == expected(multilingual_dir, samples, task="translate")
+        r = await transcribe(client, language="xx")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "language"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "fragment"),
+    [
+        (dict(data=b""), "file", "empty"),
+        (dict(data=b"not audio at all " * 64), "file", "could not be read as audio"),
+        (dict(data=encode(tone(31.0), "flac")), "file", "longer than"),
+        (dict(response_format="xml"), "response_format", "verbose_json"),
+        (dict(temperature=2), "temperature", "less than or equal"),
+        (dict(num_beams=0), "num_beams", "greater than or equal"),
+        (dict(colour="red"), "colour", "unknown field"),
+        (dict(language="fr"), "language", "English-only"),
+        (dict(**{"timestamp_granularities[]": "word"}), "timestamp_granularities", "word"),
+    ],
+)
+async def test_a_hostile_upload_is_a_400_and_the_server_serves_on(
+    client: httpx.AsyncClient, kwargs: dict, param: str, fragment: str
+) -> None:
+    r = await transcribe(client, **kwargs)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+    assert (await transcribe(client)).status_code == 200
+
+
+async def test_what_is_not_an_upload_is_refused(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/audio/transcriptions", json={"model": "whisper"})
+    assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+    r = await client.post("/v1/audio/transcriptions", data={"model": "whisper"}, files={})
+    assert r.status_code == 400
+    r = await client.post(
+        "/v1/audio/transcriptions", files={"x": ("a", b"1")}, data={"model": "whisper"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+    r = await client.post("/v1/audio/translations", **upload())  # tiny.en's vocabulary
+    assert r.status_code == 400 and "English-only" in r.json()["error"]["message"]
+    r = await client.post("/v1/completions", json={"model": "whisper", "prompt": "hi"})
+    assert r.status_code == 400 and "/v1/audio/transcriptions" in r.json()["error"]["message"]
+    r = await client.post(
+        "/v1/chat/completions",
+        json={"model": "whisper", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert r.status_code == 400
+
+
+async def test_an_upload_over_the_audio_limit_is_a_413(whisper_dir: Path) -> None:
+    async with started_client(
+        whisper_dir, "whisper", max_audio_bytes=128 * 1024, **settings()
+    ) as client:
+        assert (await transcribe(client)).status_code == 200  # 96 kB
+        r = await transcribe(client, data=encode(tone(5.0), "wav"))  # 160 kB
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+async def test_the_audio_routes_on_a_text_model_say_so(tiny_ctx: ServingContext) -> None:
+    transport = httpx.ASGITransport(app=create_app(ctx=tiny_ctx))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as text_model:
+        r = await text_model.post("/v1/audio/transcriptions", **upload())
+    assert r.status_code == 400 and "speech model" in r.json()["error"]["message"]
