@@ -52,14 +52,15 @@ def tone(seconds: float, rate: int = 16_000, seed: int = 0) -> np.ndarray:
     )
 
 
-def espeak_wav(text: str, words_per_minute: int = 150) -> bytes:
-    """`text` spoken by espeak-ng (Debian's package), as a wav file."""
+def espeak_wav(text: str, words_per_minute: int = 150, voice: str = "en-us") -> bytes:
+    """`text` spoken by espeak-ng (Debian's package) in `voice`, as a wav file."""
     if shutil.which("espeak-ng") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("espeak-ng is missing (apt-get install espeak-ng)")
         pytest.skip("espeak-ng is not installed")
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "speech.wav")
-        subprocess.run(["espeak-ng", "-s", str(words_per_minute), "-w", path, text], check=True)
+        command = ["espeak-ng", "-v", voice, "-s", str(words_per_minute), "-w", path, text]
+        subprocess.run(command, check=True)
         with open(path, "rb") as f:
             return f.read()
