@@ -16,6 +16,10 @@ ROUTES: dict[tuple[str, str], str] = {
     "(Gemma's turn template when a GGUF file carries none)",
     ("POST", "/v1/responses"): "OpenAI's Responses API (`client.responses.create` / `.stream` / "
     "`.parse`) over the chat path",
+    ("POST", "/v1/audio/transcriptions"): "a speech model's (Whisper) transcript of an uploaded "
+    "audio file, a multipart form as the openai SDK sends it; json, text, srt, vtt, "
+    "verbose_json or streamed events ([speech to text](../guides/speech.md))",
+    ("POST", "/v1/audio/translations"): "the same, translated into English (multilingual models)",
     ("GET", "/v1/responses/{response_id}"): "a stored response (`client.responses.retrieve`); "
     "404 once it has left the store",
     ("GET", "/v1/models"): "the served model (`id`, `max_model_len`), the sampling defaults that "
