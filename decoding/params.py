@@ -30,6 +30,7 @@ from decoding.param_checks import (
     normalise_bad_words,
     parse_logit_bias,
 )
+from decoding.timestamps import TimestampRules
 
 Strategy = Literal["greedy", "sample", "beam", "group_beam", "beam_sample", "best_of"]
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
@@ -81,9 +82,9 @@ class DecodingParams:
     # language): the first output token, and the last one max_tokens allows
     forced_bos_token_id: int | None = None
     forced_eos_token_ids: tuple[int, ...] = ()
-    # generate()'s begin_suppress_tokens (Whisper's generation config): never the first output
-    # token, EOS included
+    # generate()'s begin_suppress_tokens (Whisper): never the first output token, EOS included
     begin_suppress_tokens: tuple[int, ...] = ()
+    timestamp_rules: TimestampRules | None = None  # Whisper's, with timestamps (timestamps.py)
 
     def __post_init__(self) -> None:
         # Normalise container types so equal requests compare equal (lists from JSON, str keys).

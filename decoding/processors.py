@@ -27,6 +27,7 @@ import torch
 
 from decoding.params import DecodingParams
 from decoding.penalty_table import PenaltyRow, TablePenalties
+from decoding.timestamps import TimestampRows, apply_timestamp_rules_, timestamp_rows
 from decoding.transfer import to_device
 
 TokenIds = Sequence[int]
@@ -147,6 +148,7 @@ class ProcessorTensors:
     banned: Pairs | None = None  # n-gram, bad words, min tokens, begin suppression
     forced: Pairs | None = None  # rows whose next token is forced (forced BOS / EOS)
     kept: TablePenalties | None = None  # all three penalties of the rows kept in a table
+    timestamps: TimestampRows | None = None  # Whisper's rows with timestamps (timestamps.py)
 
     @property
     def empty(self) -> bool:
@@ -208,6 +210,7 @@ def build_processor_tensors(
         banned=bans.build(vocab_size, device),
         forced=forced.build(vocab_size, device),
         kept=_gather_kept(kept) if kept else None,
+        timestamps=timestamp_rows([p.timestamp_rules for p in params], output_ids, device),
     )
 
 
@@ -254,6 +257,8 @@ def apply_processors_(scores: torch.Tensor, t: ProcessorTensors) -> torch.Tensor
         f = t.forced
         scores.index_fill_(0, f.rows.unique(), float("-inf"))
         scores[f.rows, f.tokens] = 0.0
+    if t.timestamps is not None:  # last: they read what every other processor left
+        apply_timestamp_rules_(scores, t.timestamps)
     return scores
 
 

@@ -54,6 +54,23 @@ def reference(model_dir: Path, features: torch.Tensor, **kwargs: object) -> list
     return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
 
 
+def first_pass(model_dir: Path, features: torch.Tensor, **kwargs: object) -> list[int]:
+    """`generate()`'s tokens of the window's first pass with timestamps. Where a window's output
+    ends inside a segment (at max_new_tokens), transformers keeps its closed segments and decodes
+    again from the last timestamp (long-form's seeking); the first pass is one window's decode."""
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(
+            features[None],
+            return_timestamps=True,
+            return_segments=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+    sequence = out["segments"][0][0]["result"]["sequences"].tolist()
+    return sequence[1:]  # after <|startoftranscript|>, an English-only model's whole prompt
+
+
 def tokens(got: Collected) -> list[list[int]]:
     return [choice[1] for choice in got.choices().values()]
 
@@ -100,4 +117,23 @@ def test_beam_search_windows_equal_generate(
             length_penalty=length_penalty,
         )
     assert engine.stats.max_seqs_in_step == 2 * num_beams
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_timestamped_windows_equal_generate(whisper_dir: Path, num_beams: int) -> None:
+    """With timestamps (generate()'s return_timestamps), the rules decide every choice."""
+    engine = whisper_engine(whisper_dir)
+    features = windows(3)
+    params = window_params(whisper_dir, max_tokens=24, num_beams=num_beams)
+    got = [
+        submit_window(engine, whisper_dir, str(i), f, params, timestamps=True)
+        for i, f in enumerate(features)
+    ]
+    run_to_completion(engine)
+    outputs = [tokens(g)[0] for g in got]
+    for window, output in zip(features, outputs):
+        assert output == first_pass(whisper_dir, window, max_new_tokens=24, num_beams=num_beams)
+    stamps = [t for output in outputs for t in output if t > 50362]
+    assert stamps and all(o[0] > 50362 for o in outputs)  # each starts with a timestamp
     assert engine.pool.num_free == engine.pool.num_blocks

@@ -34,9 +34,12 @@ def submit_window(
     features: torch.Tensor,
     params: DecodingParams,
     language: str | None = None,
+    timestamps: bool = False,
 ) -> Collected:
     model = speech_model(model_dir)
-    prompt = model.engine_prompt(model.decoder_prompt(language))
+    prompt = model.engine_prompt(model.decoder_prompt(language, timestamps=timestamps))
+    if timestamps:
+        params = dataclasses.replace(params, timestamp_rules=model.timestamp_rules())
     params = dataclasses.replace(params, cache_salt=window_salt(features, params.cache_salt))
     got = Collected()
     request = EngineRequest(

@@ -37,6 +37,7 @@ CONVERTED_FIELDS: dict[str, str] = {
     "(generate()'s forced_eos_token_id, one id or several)",
     "begin_suppress_tokens": "not a request field: a speech model's generation config "
     "(generate()'s begin_suppress_tokens)",
+    "timestamp_rules": "not a request field: a speech model's transcript with timestamps",
 }
 PASSED_AS_IS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodingParams) if f.name not in CONVERTED_FIELDS

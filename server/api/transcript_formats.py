@@ -11,6 +11,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from server.audio.segments import Segment
+
 
 @dataclass(frozen=True)
 class Heard:
@@ -24,13 +26,13 @@ class Heard:
 
 
 def render(
-    response_format: str, call: Heard, text: str, tokens: list[int], logprobs: list[float]
+    response_format: str, call: Heard, text: str, heard: list[Segment]
 ) -> JSONResponse | PlainTextResponse:
     text = text.strip()
     form = response_format
     if form == "text":
         return PlainTextResponse(text + "\n")
-    segments = [segment(call, text, tokens, logprobs)]
+    segments = [segment(call, i, part) for i, part in enumerate(heard)]
     if form == "srt":
         return PlainTextResponse(subtitles(segments, ",", numbered=True), media_type="text/plain")
     if form == "vtt":
@@ -50,16 +52,18 @@ def render(
     return JSONResponse(body)
 
 
-def segment(call: Heard, text: str, tokens: list[int], logprobs: list[float]) -> dict[str, Any]:
-    """verbose_json's segment of a window decoded as a whole."""
+def segment(call: Heard, index: int, part: Segment) -> dict[str, Any]:
+    """verbose_json's segment."""
+    text = part.text.strip()
     data = text.encode()
+    logprobs = part.logprobs
     return {
-        "id": 0,
+        "id": index,
         "seek": 0,
-        "start": 0.0,
-        "end": round(call.duration, 3),
+        "start": round(min(part.start, call.duration), 3),  # a window is 30 s, its audio less
+        "end": round(min(part.end, call.duration), 3),
         "text": text,
-        "tokens": tokens,
+        "tokens": part.tokens,
         "temperature": call.temperature,
         "avg_logprob": sum(logprobs) / len(logprobs) if logprobs else 0.0,
         "compression_ratio": len(data) / len(zlib.compress(data)) if data else 0.0,

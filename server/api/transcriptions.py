@@ -29,7 +29,11 @@ from server.api.streaming import sse
 from server.api.transcript_formats import Heard, render
 from server.audio.decode import SAMPLING_RATE, AudioError, decode_audio
 from server.audio.features import window_features, window_seconds
+from server.audio.segments import Segment, split_segments
 from server.audio.speech_model import SpeechModel, window_salt
+
+# the response formats that carry segments' times: their windows decode with timestamps
+TIMED_FORMATS = ("srt", "vtt", "verbose_json")
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Transcription:
     duration: float  # seconds of audio
     job: Job
     speech: SpeechModel
+    timed: bool  # decoded with timestamps: its response has segments' times
 
 
 def require_speech(ctx: ServingContext) -> SpeechModel:
@@ -69,7 +74,8 @@ async def prepare(
         raise bad_request(str(exc), "file", "invalid_audio") from None
     features = await asyncio.to_thread(window_features, speech.extractor, samples)
     sampled = form.temperature > 0
-    decoder_prompt = speech.decoder_prompt(form.language, task)
+    timed = form.response_format in TIMED_FORMATS
+    decoder_prompt = speech.decoder_prompt(form.language, task, timed)
     if form.prompt:
         decoder_prompt = speech.previous_text(ctx.tokenizer, form.prompt) + decoder_prompt
     fields = {
@@ -82,12 +88,13 @@ async def prepare(
         "length_penalty": form.length_penalty,
         "logprobs": 0 if form.response_format == "verbose_json" else None,
         "cache_salt": window_salt(features),
+        "timestamp_rules": speech.timestamp_rules() if timed else None,
     }
     job = Job(speech.engine_prompt(decoder_prompt), DecodingParams(**fields), 0)
     job.source_len, job.source_features = speech.source_positions, features
     language = form.language or (None if speech.multilingual else "en")
     duration = samples.shape[0] / SAMPLING_RATE
-    return Transcription(form, task, language, duration, job, speech)
+    return Transcription(form, task, language, duration, job, speech, timed)
 
 
 def check_form(speech: SpeechModel, form: TranscriptionForm, task: str) -> None:
@@ -151,8 +158,8 @@ async def detect_language(ctx: ServingContext, request_id: str, call: Transcript
             chosen += out.token_ids
     code = next(c for c, token in speech.languages.items() if token == chosen[0])
     call.language = code
-    start = len(call.job.prompt_ids) - len(speech.decoder_prompt(None, call.task))
-    prompt = speech.decoder_prompt(code, call.task)
+    start = len(call.job.prompt_ids) - len(speech.decoder_prompt(None, call.task, call.timed))
+    prompt = speech.decoder_prompt(code, call.task, call.timed)
     call.job.prompt_ids = call.job.prompt_ids[:start] + prompt
     call.job.params = dataclasses.replace(
         call.job.params, max_tokens=call.job.params.max_tokens - 1
@@ -173,7 +180,19 @@ async def respond(ctx: ServingContext, request_id: str, call: Transcription) -> 
                 logprobs += [lp.logprob for lp in out.logprobs or ()]
     language = LANGUAGES.get(call.language or "", call.language or "")
     heard = Heard(call.task, language, call.duration, call.form.temperature)
-    return render(call.form.response_format, heard, text, tokens, logprobs)
+    if call.timed:
+        speech = call.speech
+        segments = split_segments(
+            tokens,
+            logprobs,
+            speech.no_timestamps + 1,
+            speech.end_of_text,
+            call.duration,
+            lambda ids: str(ctx.tokenizer.decode(ids, skip_special_tokens=True)),
+        )
+    else:
+        segments = [Segment(0.0, call.duration, tokens, text, logprobs)]
+    return render(call.form.response_format, heard, text, segments)
 
 
 async def stream(

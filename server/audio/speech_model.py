@@ -26,6 +26,7 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 
+from decoding.timestamps import TimestampRules
 from server.audio.features import feature_extractor
 
 TASKS = ("transcribe", "translate")
@@ -44,6 +45,7 @@ class SpeechModel:
     tasks: dict[str, int]  # "transcribe" / "translate" -> its token
     suppress_tokens: tuple[int, ...]
     begin_suppress_tokens: tuple[int, ...]
+    max_initial_timestamp_index: int | None
     extractor: WhisperFeatureExtractor = field(compare=False, repr=False)
 
     @classmethod
@@ -83,6 +85,7 @@ class SpeechModel:
             tasks={str(task): int(i) for task, i in task_to_id.items()},
             suppress_tokens=tuple(int(t) for t in generation.suppress_tokens or ()),
             begin_suppress_tokens=tuple(int(t) for t in generation.begin_suppress_tokens or ()),
+            max_initial_timestamp_index=getattr(generation, "max_initial_timestamp_index", None),
             extractor=feature_extractor(model_dir, int(config.num_mel_bins)),
         )
 
@@ -99,6 +102,15 @@ class SpeechModel:
         if not timestamps:
             prompt.append(self.no_timestamps)
         return prompt
+
+    def timestamp_rules(self) -> TimestampRules:
+        """The rules a window decoded with timestamps follows (decoding/timestamps.py)."""
+        return TimestampRules(
+            self.no_timestamps + 1,
+            self.no_timestamps,
+            self.end_of_text,
+            self.max_initial_timestamp_index,
+        )
 
     def previous_text(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         """The decoder's prompt before its start for earlier text (`prompt`): `<|startofprev|>`
