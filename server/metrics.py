@@ -30,6 +30,9 @@ MASK_BUCKETS = (
     2.5, 5.0, 10.0,
 )  # fmt: skip
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))  # 1 .. 32768 tokens
+# seconds of work per second of audio: 0.005 (a GPU's batch) to 10 (a CPU behind a queue)
+REAL_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+AUDIO_TASKS = ("transcribe", "translate")
 
 PREFIX = "beamline:"
 # The Gateway API Inference Extension's model-server protocol: its Endpoint Picker reads these
@@ -146,6 +149,15 @@ class Metrics:
         self._spec_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."
         ).labels(*m)
+        # Speech (the audio routes): how much audio, and how fast against its own length
+        self._audio_seconds = counter("audio_seconds", "Seconds of audio decoded.", "task")
+        self._real_time = histogram(
+            "audio_real_time_factor",
+            "Per upload: seconds from its arrival to its transcript over its audio's seconds.",
+            REAL_TIME_BUCKETS,
+        )
+        for task in AUDIO_TASKS:
+            self._audio_seconds.labels(model_name, task)
         # Expose every label combination at 0 from the start, so rate() sees the first event.
         for strategy in STRATEGIES:
             for finished in FINISHED_REASONS:
@@ -272,6 +284,13 @@ class Metrics:
 
     def observe_constraint_mask(self, seconds: float) -> None:
         self._mask_time.observe(seconds)
+
+    def record_audio(self, *, task: str, audio_s: float, elapsed_s: float) -> None:
+        """An upload's transcript done: its audio's seconds, the seconds it took."""
+        _check(task, AUDIO_TASKS, "task")
+        self._audio_seconds.labels(self.model_name, task).inc(audio_s)
+        if audio_s > 0:
+            self._real_time.observe(elapsed_s / audio_s)
 
     def render(self) -> tuple[bytes, str]:
         """Body and content type of the Prometheus text exposition, for `GET /metrics`."""

@@ -235,3 +235,14 @@ async def test_the_audio_routes_on_a_text_model_say_so(tiny_ctx: ServingContext)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as text_model:
         r = await text_model.post("/v1/audio/transcriptions", **upload())
     assert r.status_code == 400 and "speech model" in r.json()["error"]["message"]
+
+
+async def test_metrics_count_the_audio_and_its_real_time_factor(
+    client: httpx.AsyncClient,
+) -> None:
+    assert (await transcribe(client)).status_code == 200
+    assert (await transcribe(client, stream="true")).status_code == 200
+    text = (await client.get("/metrics")).text
+    assert 'beamline:audio_seconds_total{model_name="whisper",task="transcribe"} 6.0' in text
+    assert 'beamline:audio_seconds_total{model_name="whisper",task="translate"} 0.0' in text
+    assert 'beamline:audio_real_time_factor_count{model_name="whisper"} 2.0' in text

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -48,6 +49,13 @@ class Transcription:
     job: Job
     speech: SpeechModel
     timed: bool  # decoded with timestamps: its response has segments' times
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
+
+    def record(self, ctx: ServingContext) -> None:
+        """Its audio's seconds and real-time factor into the metrics, once it is done."""
+        if ctx.metrics is not None:
+            elapsed = time.monotonic() - self.arrived
+            ctx.metrics.record_audio(task=self.task, audio_s=self.duration, elapsed_s=elapsed)
 
 
 def require_speech(ctx: ServingContext) -> SpeechModel:
@@ -64,6 +72,7 @@ async def prepare(
     ctx: ServingContext, form: TranscriptionForm, data: bytes, task: str
 ) -> Transcription:
     """Check the form, decode the audio (off the event loop) and make the window's job."""
+    arrived = time.monotonic()
     speech = require_speech(ctx)
     check_model(ctx, form.model)
     check_form(speech, form, task)
@@ -94,7 +103,7 @@ async def prepare(
     job.source_len, job.source_features = speech.source_positions, features
     language = form.language or (None if speech.multilingual else "en")
     duration = samples.shape[0] / SAMPLING_RATE
-    return Transcription(form, task, language, duration, job, speech, timed)
+    return Transcription(form, task, language, duration, job, speech, timed, arrived)
 
 
 def check_form(speech: SpeechModel, form: TranscriptionForm, task: str) -> None:
@@ -178,6 +187,7 @@ async def respond(ctx: ServingContext, request_id: str, call: Transcription) -> 
                 text += out.text
                 tokens += out.token_ids
                 logprobs += [lp.logprob for lp in out.logprobs or ()]
+    call.record(ctx)
     language = LANGUAGES.get(call.language or "", call.language or "")
     heard = Heard(call.task, language, call.duration, call.form.temperature)
     if call.timed:
@@ -211,4 +221,5 @@ async def stream(
                 text += out.text
                 if delta:
                     yield sse({"type": "transcript.text.delta", "delta": delta})
+    call.record(ctx)
     yield sse({"type": "transcript.text.done", "text": text.strip()})
