@@ -226,7 +226,7 @@ class ServerConfig(LoRASettings, ParallelSettings):
     max_body_bytes: ByteSize = Field(4 * 1024**2, gt=0, description="body limit (413 beyond)")
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="request header limit")
     max_audio_bytes: ByteSize = Field(25 * 1024**2, gt=0, description="upload limit (413 beyond)")
-    max_audio_seconds: float = Field(30.0, gt=0, description="longest audio decoded (400 beyond)")
+    max_audio_seconds: float = Field(3600, gt=0, description="longest audio decoded (400 beyond)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field("text", description="log line format")
 

@@ -19,19 +19,19 @@ def feature_extractor(model_dir: Path, mel_bins: int) -> WhisperFeatureExtractor
     return WhisperFeatureExtractor(feature_size=mel_bins)
 
 
-def window_features(extractor: WhisperFeatureExtractor, samples: np.ndarray) -> torch.Tensor:
-    """The log-mel features [mel bins, 3000] of up to 30 seconds of samples (padded with
-    silence to the window, as `generate()`'s short-form input is)."""
+def audio_features(
+    extractor: WhisperFeatureExtractor, samples: np.ndarray
+) -> tuple[torch.Tensor, bool]:
+    """The log-mel features [mel bins, frames] `generate()` decodes `samples` from, and whether
+    they are long-form: up to one window, that window padded with silence (3,000 frames, as
+    `generate()`'s short-form input is); past it, the whole audio's frames (its windows are cut
+    from them: audio/windows.py)."""
+    long = samples.shape[0] > extractor.n_samples
     features = extractor(
         samples,
         sampling_rate=extractor.sampling_rate,
         return_tensors="pt",
-        padding="max_length",
-        truncation=True,
+        padding="longest" if long else "max_length",
+        truncation=not long,
     ).input_features
-    return features[0]
-
-
-def window_seconds(extractor: WhisperFeatureExtractor) -> float:
-    """The seconds one window holds (30)."""
-    return float(extractor.n_samples) / float(extractor.sampling_rate)
+    return features[0], long
