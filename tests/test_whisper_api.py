@@ -106,6 +106,15 @@ async def test_beams_and_a_previous_text_prompt_are_generates(
     assert r.json()["text"] == expected(whisper_dir, samples, prompt_ids=prompt_ids)
 
 
+@pytest.mark.timeout(180)
+async def test_the_engine_process_gets_the_audio_too(whisper_dir: Path) -> None:
+    """The window's features cross the pipe to the engine process with the request."""
+    async with started_client(whisper_dir, "whisper", engine_process="on", **settings()) as c:
+        r = await transcribe(c)
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == expected(whisper_dir, decode_audio(WAV, 30))
+
+
 @pytest.mark.parametrize("kind", sorted(CONTAINERS))
 async def test_every_container_is_decoded(client: httpx.AsyncClient, kind: str) -> None:
     data = encode(AUDIO, kind)
