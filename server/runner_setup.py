@@ -56,7 +56,7 @@ def build_runner(
     compile_cache = cache / "compiled"
     pool["weights_cache"] = cache / "weights"
     if is_seq2seq(text_config(model_dir)):
-        check_seq2seq_options(config)
+        check_seq2seq_options(config, text_config(model_dir).model_type == "whisper")
         # auto: float32, exact (int8's accuracy on these families is not measured yet); the
         # decode step compiled only when asked for (it changes the last bits of float32 sums)
         int8_format = "none" if config.quantization == "auto" else config.quantization
@@ -116,19 +116,23 @@ def compile_spec(config: ServerConfig, model_dir: Path, threads: int) -> str:
     )
 
 
-def check_seq2seq_options(config: ServerConfig) -> None:
-    """ValueError naming the settings an encoder-decoder model does not run with yet (those
-    left at their defaults are simply off for it)."""
+def check_seq2seq_options(config: ServerConfig, speech: bool = False) -> None:
+    """ValueError naming the settings an encoder-decoder model (`speech`: Whisper) does not run
+    with yet (those left at their defaults are simply off for it)."""
     asked = {
         "attention_backend triton": config.attention_backend == "triton",
         "async_scheduling on": config.async_scheduling == "on",
         "LoRA adapters": config.lora_enabled,
         "tensor_parallel_size": config.tensor_parallel_size > 1,
     }
+    if speech:  # neither is tested on Whisper's parts yet
+        asked["torch_compile"] = bool(config.torch_compile)
+        asked[f"quantization {config.quantization}"] = config.quantization not in ("auto", "none")
     refused = [name for name, on in asked.items() if on]
     if refused:
+        kind = "Whisper models" if speech else "encoder-decoder models"
         raise ValueError(
-            f"encoder-decoder models do not run with {', '.join(refused)} yet: leave "
+            f"{kind} do not run with {', '.join(refused)} yet: leave "
             f"{'it' if len(refused) == 1 else 'them'} unset"
         )
 

@@ -19,6 +19,8 @@ from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForCondi
 from server.api.app import create_app
 from server.api.serving import ServingContext
 from server.audio.decode import decode_audio
+from server.bootstrap import ModelLoadFailed, build_serving_context
+from server.config import ServerConfig
 from tests.audio_files import CONTAINERS, encode, tone
 from tests.conftest import started_client
 from tests.tiny_whisper import build_tiny_whisper
@@ -272,3 +274,18 @@ async def test_metrics_count_the_audio_and_its_real_time_factor(
     assert 'beamline:audio_seconds_total{model_name="whisper",task="transcribe"} 6.0' in text
     assert 'beamline:audio_seconds_total{model_name="whisper",task="translate"} 0.0' in text
     assert 'beamline:audio_real_time_factor_count{model_name="whisper"} 2.0' in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [({"torch_compile": True}, "torch_compile"), ({"quantization": "int8"}, "quantization int8")],
+)
+def test_settings_whisper_does_not_run_with_are_refused_by_name(
+    whisper_dir: Path, flags: dict, named: str
+) -> None:
+    config = ServerConfig(
+        model=str(whisper_dir), device="cpu", num_kv_blocks=256, engine_process="off", **flags
+    )
+    with pytest.raises(ModelLoadFailed) as failed:
+        build_serving_context(config)
+    assert "Whisper models do not run with" in str(failed.value) and named in str(failed.value)

@@ -22,7 +22,9 @@ compiled (compiled_decode.py, kept in the compile cache like a decoder-only mode
 run eagerly. Its cross-attention is then padded so that no source dimension is of size one
 (step_context.CrossStep), and the graphs' example steps give each dynamic size its own value. No
 CUDA graphs, LoRA or tensor parallelism yet (server/runner_setup.py's `check_seq2seq_options`
-refuses them when asked for; the devices' defaults are off for them).
+refuses them when asked for; the devices' defaults are off for them). Whisper (whisper.py: its
+encoder reads a window's features) runs in float32, eagerly: its int8 formats and compiled step
+are not tested yet, and start-up refuses them.
 n-gram speculation works as for any model: its drafts are decoder tokens verified in a packed
 step.
 """
