@@ -184,6 +184,13 @@ async def test_long_audio_is_decoded_window_by_window_as_generate_does(
     tokens = generated(whisper_dir, samples, return_timestamps=True)
     assert [t for s in segments for t in s["tokens"]] == tokens
     assert segments[-1]["end"] > 30  # the second window's
+    r = await transcribe(
+        client, data=encode(long, "flac"), name="long.flac", condition_on_previous_text="true"
+    )
+    conditioned = expected(
+        whisper_dir, samples, return_timestamps=True, condition_on_prev_tokens=True
+    )
+    assert r.json()["text"] == conditioned != expected(whisper_dir, samples, return_timestamps=True)
 
 
 async def test_a_multilingual_model_detects_the_language_and_translates(

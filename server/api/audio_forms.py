@@ -41,6 +41,9 @@ class TranscriptionForm(BaseModel):
         None, ge=1, le=16, description="with temperature > 0: samples drawn, the likeliest kept"
     )
     length_penalty: float = Field(1.0, description="beam scores divided by length ** this")
+    condition_on_previous_text: bool = Field(
+        False, description="each window's prompt holds the text of the windows before it"
+    )
 
 
 class TranslationForm(TranscriptionForm):

@@ -53,7 +53,9 @@ class Transcription:
     features: torch.Tensor  # [mel bins, frames]: the whole audio's (one padded window if short)
     speech: SpeechModel
     timed: bool  # decoded with timestamps
-    previous: list[int]  # the decoder prompt's earlier text (`prompt`): before every window's
+    # the decoder prompt's earlier text: `prompt`, and with `condition_on_previous_text` the
+    # windows' so far (`condition`)
+    previous: list[int]
     params: DecodingParams  # every window's, but its cache salt and its room
     arrived: float
     job: Job = dataclasses.field(init=False)  # the first window's
@@ -64,6 +66,25 @@ class Transcription:
     @property
     def frames(self) -> int:
         return int(self.features.shape[-1])
+
+    def condition(self, kept: list[list[int]]) -> None:
+        """Put the text of the segments kept so far (`prompt`'s first) before the next window's
+        prompt, as `generate(condition_on_prev_tokens=True)` does: `<|startofprev|>`, then the
+        last half of the decoder's positions of their tokens (a segment closed by a timestamp
+        pair without its second), at temperatures below 0.5 only."""
+        speech = self.speech
+        if not (self.form.condition_on_previous_text and self.form.temperature < 0.5):
+            return
+        if not kept or speech.start_of_previous is None:
+            return
+        begin = speech.no_timestamps + 1
+        tokens = [
+            t
+            for segment in kept
+            for t in (segment[:-1] if len(segment) > 2 and segment[-2] >= begin else segment)
+        ]
+        room = speech.max_target_positions // 2 - 1
+        self.previous = [speech.start_of_previous, *tokens[-room:]]
 
     def window_job(self, seek: int) -> tuple[Job, int]:
         """The engine job of the window at frame `seek`, and how many of its frames are audio."""
@@ -211,7 +232,9 @@ async def windows(
     speech = call.speech
     end_of_text, begin = speech.end_of_text, speech.no_timestamps + 1
     seek, index = 0, 0
+    kept = [call.previous[1:]] if call.previous else []  # `prompt`: the first segment's text
     while seek < call.frames:
+        call.condition(kept)
         job, frames = call.window_job(seek)
         tokens, logprobs = await engine_tokens(ctx, f"{request_id}-{index}", job)
         if tokens and tokens[-1] == end_of_text:
@@ -220,6 +243,7 @@ async def windows(
             seek += frames
             continue
         spans, offset = window_spans(tokens, begin, seek, frames)
+        kept += [span.tokens for span in spans]
         yield segments_of(ctx, spans, logprobs, begin)
         seek += offset
         index += 1
