@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.api.app import create_app
+from server.api.app import AUDIO_ROUTES, create_app
 from server.api.serving import ServingContext
 from tests.clients.conftest import client_python, record_version
 from tests.live_server import live_server
@@ -92,6 +92,11 @@ def test_schemathesis_every_route(tiny_url: str, tmp_path: Path) -> None:
     version = subprocess.run([python, "-c", probe], capture_output=True, text=True)
     record_version("schemathesis", version.stdout.strip())
     document = httpx.get(f"{tiny_url}/openapi.json").json()
+    # the audio routes answer a text model's server with a 400 whatever is sent (they need a
+    # speech model): tests/test_whisper_api.py and tests/test_whisper_tiny_en.py (the openai
+    # SDK) run them on Whisper
+    for path in AUDIO_ROUTES:
+        del document["paths"][path]
     routes = sum(len(ops) for ops in document["paths"].values())
 
     junit, summary, har = tmp_path / "junit.xml", tmp_path / "run.json", tmp_path / "run.har"
@@ -110,6 +115,7 @@ def test_schemathesis_every_route(tiny_url: str, tmp_path: Path) -> None:
         "--continue-on-failure",
         "--request-timeout",
         "60",
+        *(arg for path in AUDIO_ROUTES for arg in ("--exclude-path", path)),
         "--report",
         "junit,json,har",
         "--report-junit-path",
