@@ -259,7 +259,9 @@ async def test_use_beam_search_is_beam_search_of_width_n(client: httpx.AsyncClie
     beams = (await post(client, COMP, **body, use_beam_search=True, n=2))["choices"]
     reference = (await post(client, COMP, **body, num_beams=2, n=2))["choices"]
     assert [c["text"] for c in beams] == [c["text"] for c in reference]
-    assert [c["beam_score"] for c in beams] == pytest.approx([c["beam_score"] for c in reference])
+    # the second request's prompt comes from the prefix cache: float32 sums in another order
+    scores = [c["beam_score"] for c in reference]
+    assert [c["beam_score"] for c in beams] == pytest.approx(scores, rel=1e-5)
     one = await post(client, COMP, **body, use_beam_search=True)
     greedy = await post(client, COMP, **body, temperature=0)
     assert one["choices"][0]["text"] == greedy["choices"][0]["text"]
