@@ -29,8 +29,6 @@ from transformers import (
 from decoding.timestamps import TimestampRules
 from server.audio.features import feature_extractor
 
-TASKS = ("transcribe", "translate")
-
 
 @dataclass(frozen=True)
 class SpeechModel:
