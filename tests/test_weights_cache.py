@@ -14,6 +14,7 @@ import torch
 import server.model.weights as weights
 import server.model.weights_cache as weights_cache
 from server.model.exact_weights import ExactWeights
+from server.model.int8_products import onednn_int8_works
 from server.model.quantization import Int8Linear
 from server.model.weights import ServingWeights, load_serving_weights
 from tests.engine_driver import Counted
@@ -162,8 +163,11 @@ def test_changed_weight_files_or_another_format_take_another_entry(
 def test_the_head_only_format_keeps_no_floating_point_copy(
     model_dir: Path, tmp_path: Path, counted: Counted
 ) -> None:
-    """`int8` quantizes the LM head alone: the decoder is the floating-point model already."""
+    """`int8` quantizes the LM head alone: the decoder is the floating-point model already. The
+    cache keeps the head's int8 weights for oneDNN's product; fbgemm's (where oneDNN's int8
+    linear does not run) quantizes its own."""
+    cached = 1 if onednn_int8_works() else 0
     weights = load(model_dir, tmp_path, "int8")
-    assert len(weights.exact) == 0 and counted.calls == 1
+    assert len(weights.exact) == 0 and counted.calls == cached
     load(model_dir, tmp_path, "int8")
-    assert counted.calls == 1
+    assert counted.calls == cached

@@ -12,9 +12,12 @@ output channel). Two kernels:
   512) at 32 rows and 0.6x for Gemma 3's (262k x 640) at 16 rows, level at one row
   (`python -m benchmarks.linear_layouts`).
 - `FbgemmRowProduct`: PyTorch's dynamic quantized linear (fbgemm), where oneDNN's int8 linear is
-  missing. It quantizes its whole input with one scale, so a fixed row holding +1 and -1 joins
-  the normalized rows and pins the input's range to [-1, 1]; it also drops the activations to
-  7 bits (`reduce_range`), where oneDNN keeps 8.
+  missing or wrong: without VNNI (AVX2 alone) oneDNN's unsigned x signed pair sums saturate at
+  16 bits. 7-bit activations would keep them exact there, but at 4x fbgemm's time (a 65k x 640
+  head at one thread on an AVX2 EPYC: 19.6 ms against 4.5 ms at one row). It quantizes its
+  whole input with one scale, so a fixed row holding +1 and -1 joins the normalized rows and pins
+  the input's range to [-1, 1]; it also drops the activations to 7 bits (`reduce_range`), where
+  oneDNN keeps 8.
 """
 
 from __future__ import annotations
