@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 
@@ -68,3 +69,38 @@ def check_int(value: object, name: str, low: int, hint: str | None = None) -> No
 def check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise DecodingParamsError(field, message)
+
+
+def check_token_fields(
+    stop_token_ids: Iterable[object],
+    logit_bias: Mapping[Any, float],
+    bad_words_ids: Iterable[Iterable[object]],
+    allowed_token_ids: Iterable[object] | None,
+) -> None:
+    """The fields of token ids: ids are integers >= 0, biases in OpenAI's range."""
+    check(
+        all(is_token_id(t) for t in stop_token_ids),
+        "stop_token_ids",
+        "token ids must be integers >= 0",
+    )
+    check(
+        all(is_token_id(t) for t in logit_bias),
+        "logit_bias",
+        "logit_bias keys must be token ids (integers >= 0)",
+    )
+    check(
+        all(finite(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT for b in logit_bias.values()),
+        "logit_bias",
+        "logit_bias values must be in [-100, 100]",
+    )
+    check(
+        all(seq and all(is_token_id(t) for t in seq) for seq in bad_words_ids),
+        "bad_words_ids",
+        "bad_words_ids must be non-empty sequences of token ids (integers >= 0)",
+    )
+    allowed = None if allowed_token_ids is None else tuple(allowed_token_ids)
+    check(
+        allowed is None or (bool(allowed) and all(map(is_token_id, allowed))),
+        "allowed_token_ids",
+        "allowed_token_ids must be a non-empty list of token ids (integers >= 0)",
+    )

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from decoding.param_checks import (
-    LOGIT_BIAS_LIMIT,
     DecodingParamsError,
     check,
     check_int,
+    check_token_fields,
     finite,
-    is_token_id,
     normalise_bad_words,
     parse_logit_bias,
 )
@@ -35,6 +34,10 @@ from decoding.timestamps import TimestampRules
 Strategy = Literal["greedy", "sample", "beam", "group_beam", "beam_sample", "best_of"]
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 EarlyStopping = bool | Literal["never"]
+# raw: the model's log-probabilities; processed: log_softmax of the scores the token was chosen
+# from (processors and truncation warpers applied) with the temperature undone, what generate()'s
+# Whisper fallback averages (beam rows: their beam scores are processed already)
+LogprobsMode = Literal["raw", "processed"]
 
 BEAM_STRATEGIES: frozenset[str] = frozenset({"beam", "group_beam", "beam_sample"})
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence/frequency penalties
@@ -70,6 +73,7 @@ class DecodingParams:
     early_stopping: EarlyStopping = False
     do_sample: bool | None = None
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
+    logprobs_mode: LogprobsMode = "raw"
     prompt_logprobs: int | None = None  # the same for every prompt token (scored in prefill)
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be chosen, EOS included
     # --- the output's text and the request's place in the engine (vLLM's fields) ---
@@ -173,34 +177,13 @@ class DecodingParams:
             "stop",
             "stop strings must not be empty",
         )
-        check(
-            all(is_token_id(t) for t in self.stop_token_ids),
-            "stop_token_ids",
-            "token ids must be integers >= 0",
+        check_token_fields(
+            self.stop_token_ids, self.logit_bias, self.bad_words_ids, self.allowed_token_ids
         )
         check(
-            all(is_token_id(t) for t in self.logit_bias),
-            "logit_bias",
-            "logit_bias keys must be token ids (integers >= 0)",
-        )
-        check(
-            all(
-                finite(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
-                for b in self.logit_bias.values()
-            ),
-            "logit_bias",
-            "logit_bias values must be in [-100, 100]",
-        )
-        check(
-            all(seq and all(is_token_id(t) for t in seq) for seq in self.bad_words_ids),
-            "bad_words_ids",
-            "bad_words_ids must be non-empty sequences of token ids (integers >= 0)",
-        )
-        check(
-            self.allowed_token_ids is None
-            or (bool(self.allowed_token_ids) and all(map(is_token_id, self.allowed_token_ids))),
-            "allowed_token_ids",
-            "allowed_token_ids must be a non-empty list of token ids (integers >= 0)",
+            self.logprobs_mode in get_args(LogprobsMode),
+            "logprobs_mode",
+            'logprobs_mode must be "raw" or "processed"',
         )
         check(
             isinstance(self.priority, int) and not isinstance(self.priority, bool),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from decoding import DecodingParams
 from decoding.row_tensors import KeptRowTensors, RowTensors
 from tests.conftest import make_engine
@@ -192,3 +194,36 @@ def test_penalized_rows_give_their_penalty_table_slots_back(llama_dir: Path) -> 
     run_to_completion(engine)
     assert engine.penalty_table.rows_held == 0
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_processed_logprobs_are_of_the_scores_a_token_was_chosen_from(llama_dir: Path) -> None:
+    """The processed mode: log_softmax of the scores after the processors and the truncation
+    warpers, temperature undone (what generate()'s Whisper fallback averages); raw: the model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 9, 13]
+    banned, top_k = 17, 20
+    common = dict(
+        max_tokens=6, temperature=0.7, top_k=top_k, seed=3, logprobs=0, bad_words_ids=((banned,),)
+    )
+    engine = make_engine(llama_dir)
+    (raw,) = generate(engine, [prompt], DecodingParams(**common))
+    (processed,) = generate(engine, [prompt], DecodingParams(**common, logprobs_mode="processed"))
+    tokens = processed.token_ids
+    assert raw.token_ids == tokens
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    masked = logits.clone()
+    masked[:, banned] = -float("inf")
+    kth = masked.topk(top_k, dim=-1).values[:, -1:]
+    masked[masked < kth] = -float("inf")
+    index = torch.tensor(tokens).unsqueeze(1)
+    expected = masked.log_softmax(-1).gather(1, index).squeeze(1)
+    got = [lp.logprob for o in processed.outputs for lp in o.logprobs or ()]
+    assert got == pytest.approx(expected.tolist(), abs=1e-4)
+    got_raw = [lp.logprob for o in raw.outputs for lp in o.logprobs or ()]
+    model_logprobs = logits.log_softmax(-1).gather(1, index).squeeze(1)
+    assert got_raw == pytest.approx(model_logprobs.tolist(), abs=1e-4)
+    assert all(p > r for p, r in zip(got, got_raw))  # the same token, less mass beside it

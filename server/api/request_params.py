@@ -38,6 +38,8 @@ CONVERTED_FIELDS: dict[str, str] = {
     "begin_suppress_tokens": "not a request field: a speech model's generation config "
     "(generate()'s begin_suppress_tokens)",
     "timestamp_rules": "not a request field: a speech model's transcript with timestamps",
+    "logprobs_mode": "not a request field: raw; the audio routes' are processed (the fallback "
+    "averages them, as generate() does)",
 }
 PASSED_AS_IS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodingParams) if f.name not in CONVERTED_FIELDS

@@ -17,12 +17,11 @@ from server.audio.segments import Segment
 @dataclass(frozen=True)
 class Heard:
     """What a response reports besides the text: the task, the language's name, the audio's
-    seconds, the temperature it was decoded at."""
+    seconds."""
 
     task: str
     language: str
     duration: float
-    temperature: float
 
 
 def render(
@@ -59,15 +58,15 @@ def segment(call: Heard, index: int, part: Segment) -> dict[str, Any]:
     logprobs = part.logprobs
     return {
         "id": index,
-        "seek": 0,
+        "seek": part.seek,
         "start": round(min(part.start, call.duration), 3),  # a window is 30 s, its audio less
         "end": round(min(part.end, call.duration), 3),
         "text": text,
         "tokens": part.tokens,
-        "temperature": call.temperature,
+        "temperature": part.temperature,
         "avg_logprob": sum(logprobs) / len(logprobs) if logprobs else 0.0,
         "compression_ratio": len(data) / len(zlib.compress(data)) if data else 0.0,
-        "no_speech_prob": None,  # not measured yet
+        "no_speech_prob": part.no_speech_prob,
     }
 
 

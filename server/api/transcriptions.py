@@ -1,110 +1,38 @@
 """OpenAI's audio routes on a Whisper model: an upload decoded into log-mel features, then
-decoded window by window as `generate()` does (server/audio/windows.py): each 30-second window is
-an engine request (its beams, or its `best_of` samples, inside the batch with every other
-request, so many uploads' windows decode together), the next window's start read from the
-timestamps of the last. The transcript is returned in the asked format or streamed as OpenAI's
-`transcript.text.delta` events, a window's text once the window is decoded.
+decoded window by window (window_decoding.py), the transcript returned in the asked format or
+streamed as OpenAI's `transcript.text.delta` events, a window's text once the window is decoded.
 
 Audio up to one window long decodes with timestamps when its response format reports times
 (srt, vtt, verbose_json) and without otherwise, as `generate()` does short audio; longer audio
-always decodes with them (they say where the next window starts). Without `language`, a
-multilingual model's language is detected on the first window first, as `generate()` does: one
-greedy step after `<|startoftranscript|>` restricted to the language tokens, an engine request of
-its own (its encoder's blocks are the prefix cache's when the transcription starts).
+always decodes with them (they say where the next window starts). As OpenAI's `temperature` 0
+does, a window is decoded hotter while its attempt looks wrong (the fallback's thresholds,
+server/audio/fallback.py); the form says how.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
 
-import torch
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from decoding import DecodingParams
 from server.api.audio_forms import TranscriptionForm
 from server.api.errors import APIError, bad_request
-from server.api.responses import run_jobs
-from server.api.serving import Job, ServingContext, check_model
+from server.api.serving import ServingContext, check_model
 from server.api.streaming import sse
 from server.api.transcript_formats import Heard, render
+from server.api.window_decoding import Transcription, windows
 from server.audio.decode import SAMPLING_RATE, AudioError, decode_audio
+from server.audio.fallback import FallbackRules
 from server.audio.features import audio_features
 from server.audio.segments import Segment
-from server.audio.speech_model import SpeechModel, window_salt
-from server.audio.windows import Span, window_input, window_spans
+from server.audio.speech_model import SpeechModel
 
 # the response formats that carry segments' times: short audio decodes with timestamps for them
 TIMED_FORMATS = ("srt", "vtt", "verbose_json")
-
-
-@dataclass
-class Transcription:
-    """A prepared request of an audio route: its audio's features and how its windows decode."""
-
-    form: TranscriptionForm
-    task: str  # transcribe | translate
-    language: str | None  # None until detected
-    duration: float  # seconds of audio
-    features: torch.Tensor  # [mel bins, frames]: the whole audio's (one padded window if short)
-    speech: SpeechModel
-    timed: bool  # decoded with timestamps
-    # the decoder prompt's earlier text: `prompt`, and with `condition_on_previous_text` the
-    # windows' so far (`condition`)
-    previous: list[int]
-    params: DecodingParams  # every window's, but its cache salt and its room
-    arrived: float
-    job: Job = dataclasses.field(init=False)  # the first window's
-
-    def __post_init__(self) -> None:
-        self.job = self.window_job(0)[0]
-
-    @property
-    def frames(self) -> int:
-        return int(self.features.shape[-1])
-
-    def condition(self, kept: list[list[int]]) -> None:
-        """Put the text of the segments kept so far (`prompt`'s first) before the next window's
-        prompt, as `generate(condition_on_prev_tokens=True)` does: `<|startofprev|>`, then the
-        last half of the decoder's positions of their tokens (a segment closed by a timestamp
-        pair without its second), at temperatures below 0.5 only."""
-        speech = self.speech
-        if not (self.form.condition_on_previous_text and self.form.temperature < 0.5):
-            return
-        if not kept or speech.start_of_previous is None:
-            return
-        begin = speech.no_timestamps + 1
-        tokens = [
-            t
-            for segment in kept
-            for t in (segment[:-1] if len(segment) > 2 and segment[-2] >= begin else segment)
-        ]
-        room = speech.max_target_positions // 2 - 1
-        self.previous = [speech.start_of_previous, *tokens[-room:]]
-
-    def window_job(self, seek: int) -> tuple[Job, int]:
-        """The engine job of the window at frame `seek`, and how many of its frames are audio."""
-        features, frames = window_input(self.features, seek)
-        speech = self.speech
-        decoder_prompt = self.previous + speech.decoder_prompt(self.language, self.task, self.timed)
-        params = dataclasses.replace(
-            self.params,
-            max_tokens=speech.max_target_positions - len(decoder_prompt),
-            cache_salt=window_salt(features),
-        )
-        job = Job(speech.engine_prompt(decoder_prompt), params, 0)
-        job.source_len, job.source_features = speech.source_positions, features
-        return job, frames
-
-    def record(self, ctx: ServingContext) -> None:
-        """Its audio's seconds and real-time factor into the metrics, once it is done."""
-        if ctx.metrics is not None:
-            elapsed = time.monotonic() - self.arrived
-            ctx.metrics.record_audio(task=self.task, audio_s=self.duration, elapsed_s=elapsed)
 
 
 def require_speech(ctx: ServingContext) -> SpeechModel:
@@ -130,25 +58,26 @@ async def prepare(
     except AudioError as exc:
         raise bad_request(str(exc), "file", "invalid_audio") from None
     features, long = await asyncio.to_thread(audio_features, speech.extractor, samples)
-    sampled = form.temperature > 0
     timed = long or form.response_format in TIMED_FORMATS
-    params = DecodingParams(
-        **{
-            **speech.defaults(),
-            "temperature": form.temperature,
-            "do_sample": sampled,
-            "num_beams": form.num_beams,
-            "best_of": form.best_of if sampled else None,
-            "length_penalty": form.length_penalty,
-            "logprobs": 0 if form.response_format == "verbose_json" else None,
-            "timestamp_rules": speech.timestamp_rules() if timed else None,
-        }
+    params = DecodingParams(  # each attempt sets its temperature and strategy (window_decoding.py)
+        **speech.defaults(),
+        length_penalty=form.length_penalty,
+        logprobs=0,  # the fallback averages them (and verbose_json reports them)
+        logprobs_mode="processed",
+        timestamp_rules=speech.timestamp_rules() if timed else None,
     )
-    previous = speech.previous_text(ctx.tokenizer, form.prompt) if form.prompt else []
+    rules = FallbackRules.of(
+        form.temperature,
+        form.temperature_increment_on_fallback,
+        form.compression_ratio_threshold,
+        form.logprob_threshold,
+        form.no_speech_threshold,
+    )
+    prompt = speech.previous_text(ctx.tokenizer, form.prompt) if form.prompt else []
     language = form.language or (None if speech.multilingual else "en")
     duration = samples.shape[0] / SAMPLING_RATE
     return Transcription(
-        form, task, language, duration, features, speech, timed, previous, params, arrived
+        form, task, language, duration, features, speech, timed, prompt, params, rules, arrived
     )
 
 
@@ -190,80 +119,6 @@ def check_form(speech: SpeechModel, form: TranscriptionForm, task: str) -> None:
         )
 
 
-async def engine_tokens(
-    ctx: ServingContext, request_id: str, job: Job
-) -> tuple[list[int], list[float]]:
-    """A job's first choice: its tokens and (when asked for) their logprobs."""
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    async with aclosing(run_jobs(ctx, request_id, [job])) as outputs:
-        async for _, out in outputs:
-            if out.error is not None:
-                raise APIError(500, out.error, code="engine_error")
-            if out.index == 0:
-                tokens += out.token_ids
-                logprobs += [lp.logprob for lp in out.logprobs or ()]
-    return tokens, logprobs
-
-
-async def detect_language(ctx: ServingContext, request_id: str, call: Transcription) -> None:
-    """Find a multilingual model's language on the first window."""
-    if call.language is not None:
-        return
-    speech = call.speech
-    params = DecodingParams(
-        max_tokens=1,
-        temperature=0.0,
-        allowed_token_ids=tuple(speech.languages.values()),
-        ignore_eos=True,
-        cache_salt=call.job.params.cache_salt,
-    )
-    job = Job(speech.engine_prompt([speech.start_of_transcript]), params, 0)
-    job.source_len, job.source_features = call.job.source_len, call.job.source_features
-    chosen, _ = await engine_tokens(ctx, f"{request_id}-language", job)
-    call.language = next(c for c, token in speech.languages.items() if token == chosen[0])
-
-
-async def windows(
-    ctx: ServingContext, request_id: str, call: Transcription
-) -> AsyncGenerator[list[Segment], None]:
-    """Decode the audio window by window; yield each window's segments as it is done."""
-    await detect_language(ctx, request_id, call)
-    speech = call.speech
-    end_of_text, begin = speech.end_of_text, speech.no_timestamps + 1
-    seek, index = 0, 0
-    kept = [call.previous[1:]] if call.previous else []  # `prompt`: the first segment's text
-    while seek < call.frames:
-        call.condition(kept)
-        job, frames = call.window_job(seek)
-        tokens, logprobs = await engine_tokens(ctx, f"{request_id}-{index}", job)
-        if tokens and tokens[-1] == end_of_text:
-            tokens = tokens[:-1]
-        if not tokens:  # nothing said: the window is done whole
-            seek += frames
-            continue
-        spans, offset = window_spans(tokens, begin, seek, frames)
-        kept += [span.tokens for span in spans]
-        yield segments_of(ctx, spans, logprobs, begin)
-        seek += offset
-        index += 1
-
-
-def segments_of(
-    ctx: ServingContext, spans: list[Span], logprobs: list[float], begin: int
-) -> list[Segment]:
-    """A window's spans (consecutive slices of its tokens) as segments with their text."""
-    segments, at = [], 0
-    for span in spans:
-        text = ctx.tokenizer.decode([t for t in span.tokens if t < begin], skip_special_tokens=True)
-        count = len(span.tokens)
-        segments.append(
-            Segment(span.start, span.end, span.tokens, str(text), logprobs[at : at + count])
-        )
-        at += count
-    return segments
-
-
 async def respond(ctx: ServingContext, request_id: str, call: Transcription) -> object:
     """The whole transcript, in the form's response format."""
     heard: list[Segment] = []
@@ -275,7 +130,7 @@ async def respond(ctx: ServingContext, request_id: str, call: Transcription) -> 
     tokens = [t for s in heard for t in s.tokens if t < begin]
     text = str(ctx.tokenizer.decode(tokens, skip_special_tokens=True))
     language = LANGUAGES.get(call.language or "", call.language or "")
-    info = Heard(call.task, language, call.duration, call.form.temperature)
+    info = Heard(call.task, language, call.duration)
     return render(call.form.response_format, info, text, heard)
 
 

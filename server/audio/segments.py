@@ -13,4 +13,7 @@ class Segment:
     end: float
     tokens: list[int]  # its text's tokens and its timestamps
     text: str
-    logprobs: list[float]  # of its tokens, where they were asked for
+    logprobs: list[float]  # of its tokens (processed: generate()'s fallback averages them)
+    temperature: float = 0.0  # of the window's kept attempt
+    no_speech_prob: float | None = None  # of its window, where it was measured
+    seek: int = 0  # its window's first feature frame (100 a second)

@@ -38,6 +38,7 @@ class SpeechModel:
     start_of_previous: int | None
     source_positions: int  # the encoder's output positions of one window (1,500)
     max_target_positions: int  # the decoder's positions, its prompt included (448)
+    vocab_size: int  # the model's (the fallback's compression ratio measures token ids in it)
     multilingual: bool
     languages: dict[str, int]  # language code ("en") -> its token
     tasks: dict[str, int]  # "transcribe" / "translate" -> its token
@@ -78,6 +79,7 @@ class SpeechModel:
             or token("<|startofprev|>"),
             source_positions=int(config.max_source_positions),
             max_target_positions=int(config.max_target_positions),
+            vocab_size=int(config.vocab_size),
             multilingual=multilingual,
             languages={code.strip("<|>"): int(i) for code, i in lang_to_id.items()},
             tasks={str(task): int(i) for task, i in task_to_id.items()},
@@ -86,6 +88,12 @@ class SpeechModel:
             max_initial_timestamp_index=getattr(generation, "max_initial_timestamp_index", None),
             extractor=feature_extractor(model_dir, int(config.num_mel_bins)),
         )
+
+    @property
+    def no_speech(self) -> int:
+        """`<|nospeech|>` (`<|nocaptions|>` in English-only vocabularies), as generate() finds it:
+        the token before `<|notimestamps|>`."""
+        return self.no_timestamps - 1
 
     def decoder_prompt(
         self, language: str | None, task: str = "transcribe", timestamps: bool = False

@@ -33,6 +33,7 @@ def blocks() -> list[Block]:
     return [
         _block("request-fields", request_fields.render_all_fields),
         _block("request-body-parts", request_fields.render_body_parts),
+        _block("audio-fields", request_fields.render_audio_fields),
         Block("extension-fields", field_docs.render_table, field_docs.START, field_docs.END),
         _block("config-keys", settings.render_config_keys),
         _block("cli", settings.render_cli),

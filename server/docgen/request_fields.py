@@ -3,13 +3,15 @@
 One table lists every top-level field of the three generating endpoints with its type, bounds,
 default, the endpoints that take it and what it does here (field_notes.py for OpenAI's and the
 Responses API's fields, server/api/extension_fields.py for the rest); then one table per nested
-body part (stream options, response formats, messages, tools, input items...).
+body part (stream options, response formats, messages, tools, input items...); and the form
+fields of the audio routes.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel
 
+from server.api.audio_forms import TranscriptionForm
 from server.api.extension_fields import FIELDS
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.responses_protocol import ResponsesRequest
@@ -105,6 +107,18 @@ def render_body_parts() -> str:
             lines.append(f"| `{name}` | {_type_cell(part, name)} | {default} |")
         sections.append("\n".join(lines))
     return "\n\n".join(sections)
+
+
+def render_audio_fields() -> str:
+    """The audio routes' form fields (`file` aside), with their descriptions."""
+    lines = ["| field | type | default | what it does |", "|---|---|---|---|"]
+    for name, info in TranscriptionForm.model_fields.items():
+        what = info.description or ""
+        lines.append(
+            f"| `{name}` | {_type_cell(TranscriptionForm, name)} | {default_text(info)} "
+            f"| {_cell(what)} |"
+        )
+    return "\n".join(lines)
 
 
 def _cell(text: str) -> str:

@@ -3,11 +3,11 @@
 Per-row parameters become tensors once per step (`SamplingTensors`), constrained rows get their
 allowed-token mask (`build_constraint_mask`), the logits are processed (mask, penalties, bans,
 warpers) and a token is chosen per row; rows whose request asked for logprobs (beams excepted:
-beams.py keeps theirs) get the raw model's logprob of that token and its top alternatives.
-All of it is queued on the device (`choose_on_device`) and read back in one go (`read`), at once
-or, with async scheduling, once the next step's forward is queued (in_flight.py). Penalized rows
-keep their penalty state between steps (`Sequence.penalties`, a row of the engine's
-`PenaltyTable`).
+beams.py keeps theirs) get the raw model's logprob of that token and its top alternatives (in the
+processed mode, of the scores it was chosen from: `logprob_source`). All of it is queued on the
+device (`choose_on_device`) and read back in one go (`read`), at once or, with async scheduling,
+once the next step's forward is queued (in_flight.py). Penalized rows keep their penalty state
+between steps (`Sequence.penalties`, a row of the engine's `PenaltyTable`).
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ class PendingChoices:
         logprobs: dict[int, TokenLogprob] = {}
         if self.logprob_rows:
             wanted = self.logprob_rows
+            source = logprob_source(self.logits, scores, wanted, self.rows)
             pairs = (
-                _logprobs(self.logits, tokens, wanted, self.rows).to_host()
+                _logprobs(source, tokens, wanted, self.rows).to_host()
                 if refined or self.logprobs is None
                 else TokenLogprobs.unpack(self.logprobs.values())
             )
@@ -150,6 +151,24 @@ def random_streams(
     return RandomStreams.of(
         [s.stream_key for s in sampling], [s.num_output for s in sampling], device
     )
+
+
+def logprob_source(
+    logits: torch.Tensor, scores: torch.Tensor, wanted: list[int], rows: Rows[ChoosingRow]
+) -> torch.Tensor:
+    """What the wanted rows' logprobs are read from: the raw `logits`, but for the rows in the
+    processed mode their processed `scores` times the temperature they were divided by (what
+    generate()'s Whisper fallback takes the log_softmax of)."""
+    processed = [r for r in wanted if rows[r].request.params.logprobs_mode == "processed"]
+    if not processed:
+        return logits
+    source = logits.float().clone()  # only steps that hold such rows copy
+    params = [rows[r].request.params for r in processed]
+    undo = [p.temperature if p.sampling else 1.0 for p in params]
+    factors = to_device(undo, source.device, torch.float32)
+    index = to_device(processed, source.device, torch.long)
+    source[index] = scores.index_select(0, index) * factors.unsqueeze(1)
+    return source
 
 
 def _logprobs(
@@ -214,7 +233,8 @@ def choose_on_device(
     wanted = tensors.logprob_rows  # non-beam rows whose request asked for logprobs
     logprobs = None
     if wanted and drawn.tokens is not None:
-        logprobs = HostRead(_logprobs(logits, drawn.tokens, wanted, rows).packed())
+        source = logprob_source(logits, drawn.scores, wanted, rows)
+        logprobs = HostRead(_logprobs(source, drawn.tokens, wanted, rows).packed())
     return PendingChoices(
         rows, logits, tensors, drawn, mask, mask_seconds, values, wanted, logprobs
     )
