@@ -126,12 +126,11 @@ class PendingChoices:
         logprobs: dict[int, TokenLogprob] = {}
         if self.logprob_rows:
             wanted = self.logprob_rows
-            source = logprob_source(self.logits, scores, wanted, self.rows)
-            pairs = (
-                _logprobs(source, tokens, wanted, self.rows).to_host()
-                if refined or self.logprobs is None
-                else TokenLogprobs.unpack(self.logprobs.values())
-            )
+            if refined or self.logprobs is None:
+                source = logprob_source(self.logits, scores, wanted, self.rows)
+                pairs = _logprobs(source, tokens, wanted, self.rows).to_host()
+            else:
+                pairs = TokenLogprobs.unpack(self.logprobs.values())
             for r, (chosen, alternatives) in zip(wanted, pairs):
                 k = self.rows[r].request.params.logprobs or 0
                 logprobs[r] = TokenLogprob(tokens[r], chosen, alternatives[:k])
