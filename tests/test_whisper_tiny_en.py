@@ -10,12 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import jiwer
 import openai
 import pytest
 from faster_whisper import WhisperModel
-from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
 
+from benchmarks import speech_clips
+from benchmarks.speech_clips import SENTENCES
 from server.api.app import create_app
 from server.bootstrap import build_serving_context
 from server.config import ServerConfig
@@ -23,34 +23,11 @@ from tests.audio_files import espeak_wav
 from tests.live_server import live_server
 from tests.tiny_whisper import build_tiny_whisper, tiny_en_dir
 
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Please call Stella and ask her to bring these things with her from the store.",
-    "A large language model serves many clients at once on a single machine.",
-    "The weather today is sunny with a light breeze from the west.",
-    "We will meet at the train station at nine in the morning.",
-    "My brother bought a new car last week and drove it to the city.",
-    "The children played in the garden until it was time for dinner.",
-    "Please send me the report before the end of the day.",
-    "The library opens at ten and closes at six on weekdays.",
-    "He poured a cup of coffee and read the morning paper.",
-    "The doctor told her to drink more water and rest.",
-    "They walked along the river and talked about their plans.",
-    "The meeting has been moved to Thursday afternoon.",
-    "I left my keys on the kitchen table this morning.",
-    "The train was late because of the heavy snow.",
-    "She opened the window to let in some fresh air.",
-]
 BEAMS = {"num_beams": 5}  # beamline's decoding field: the SDK sends extra_body as form fields
-# Whisper's own English normalizer (numbers as digits, punctuation and case dropped), the one its
-# word error rates are reported with, on both sides
-NORMALIZE = EnglishTextNormalizer({})
 
 
 def word_error_rate(hypotheses: list[str], references: list[str] = SENTENCES) -> float:
-    return float(
-        jiwer.wer([NORMALIZE(r) for r in references], [NORMALIZE(h) or "-" for h in hypotheses])
-    )
+    return speech_clips.word_error_rate(hypotheses, references)
 
 
 @pytest.fixture(scope="module")
