@@ -203,6 +203,7 @@ async def test_a_multilingual_model_detects_the_language_and_translates(
     multilingual_dir: Path,
 ) -> None:
     samples = decode_audio(WAV, 30)
+    tokenizer = AutoTokenizer.from_pretrained(multilingual_dir)
     async with started_client(multilingual_dir, "whisper", **settings()) as client:
         r = await transcribe(client)
         assert r.status_code == 200, r.text
@@ -211,6 +212,13 @@ async def test_a_multilingual_model_detects_the_language_and_translates(
         assert r.json()["language"] in ("english", "german", "french")
         r = await transcribe(client, language="de")
         assert r.json()["text"] == expected(multilingual_dir, samples, language="de")
+        # detected from `<|startoftranscript|>` alone, the prompt before the window's tokens
+        prompt_ids = torch.tensor(
+            [tokenizer.convert_tokens_to_ids("<|startofprev|>")]
+            + tokenizer(" Earlier words.", add_special_tokens=False).input_ids
+        )
+        r = await transcribe(client, prompt="Earlier words.")
+        assert r.json()["text"] == expected(multilingual_dir, samples, prompt_ids=prompt_ids)
         r = await client.post("/v1/audio/translations", **upload())
         assert r.status_code == 200, r.text
         assert r.json()["text"] == expected(multilingual_dir, samples, task="translate")

@@ -123,11 +123,15 @@ async def attempt_of(ctx: ServingContext, request_id: str, job: Job) -> Attempt:
 
 
 async def first_step(
-    ctx: ServingContext, request_id: str, call: Transcription, job: Job, allowed: tuple[int, ...]
+    ctx: ServingContext,
+    request_id: str,
+    speech: SpeechModel,
+    job: Job,
+    previous: list[int],
+    allowed: tuple[int, ...],
 ) -> tuple[int, float]:
-    """The likeliest token among `allowed` after the earlier text and `<|startoftranscript|>` of
-    a window's `job`, and its raw log-probability there."""
-    speech = call.speech
+    """The likeliest token among `allowed` after `previous` and `<|startoftranscript|>` on the
+    window of `job`, and its raw log-probability there."""
     params = DecodingParams(
         max_tokens=1,
         temperature=0.0,
@@ -136,7 +140,7 @@ async def first_step(
         logprobs=0,
         cache_salt=job.params.cache_salt,
     )
-    step = Job(speech.engine_prompt([*call.previous, speech.start_of_transcript]), params, 0)
+    step = Job(speech.engine_prompt([*previous, speech.start_of_transcript]), params, 0)
     step.source_len, step.source_features = job.source_len, job.source_features
     chosen = await attempt_of(ctx, request_id, step)
     return chosen.tokens[0], chosen.logprobs[0]
@@ -148,7 +152,9 @@ async def detect_language(ctx: ServingContext, request_id: str, call: Transcript
         return
     languages = call.speech.languages
     allowed = tuple(languages.values())
-    chosen, _ = await first_step(ctx, f"{request_id}-language", call, call.job, allowed)
+    # as generate()'s detect_language: `<|startoftranscript|>` alone, no earlier text
+    language_id = f"{request_id}-language"
+    chosen, _ = await first_step(ctx, language_id, call.speech, call.job, [], allowed)
     call.language = next(code for code, token in languages.items() if token == chosen)
 
 
@@ -157,7 +163,8 @@ async def no_speech_prob(
 ) -> float:
     """`generate()`'s no-speech probability of a window's `job`: of `<|nospeech|>` after its
     earlier text and `<|startoftranscript|>`."""
-    _, logprob = await first_step(ctx, request_id, call, job, (call.speech.no_speech,))
+    speech = call.speech
+    _, logprob = await first_step(ctx, request_id, speech, job, call.previous, (speech.no_speech,))
     return math.exp(logprob)
 
 
