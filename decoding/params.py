@@ -89,6 +89,9 @@ class DecodingParams:
     # generate()'s begin_suppress_tokens (Whisper): never the first output token, EOS included
     begin_suppress_tokens: tuple[int, ...] = ()
     timestamp_rules: TimestampRules | None = None  # Whisper's, with timestamps (timestamps.py)
+    # an encoder-decoder prompt that generates nothing (max_tokens 0) returns its decoder
+    # positions' cross-attention scores at the model's alignment heads (Whisper's word times)
+    cross_attention: bool = False
 
     def __post_init__(self) -> None:
         # Normalise container types so equal requests compare equal (lists from JSON, str keys).
@@ -207,6 +210,8 @@ class DecodingParams:
                 "max_tokens 0 (score the prompt, generate nothing) needs a single row: "
                 "n = 1, no best_of, no beams",
             )
+        if self.cross_attention and self.max_tokens:
+            raise DecodingParamsError("cross_attention", "cross_attention needs max_tokens 0")
         if self.num_beam_groups > 1:
             if self.num_beams == 1:
                 raise DecodingParamsError(

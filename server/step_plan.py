@@ -115,6 +115,9 @@ class StepPlan:
     # partly filled block are different blocks (empty: each row on its own)
     source_groups: list[int] = field(default_factory=list)
     encodes: list[SourceEncode] = field(default_factory=list)
+    # with source_lens, the rows whose decoder tokens' cross-attention scores at the model's
+    # alignment heads the step returns (StepOutput.cross_attention)
+    aligns: list[int] = field(default_factory=list)
     # the most likeliest tokens any sampling row's choice reads (0: some row reads them all): an
     # int8 LM head re-scores fewer candidates exactly (model/quantization.py)
     ranked: int = 0
@@ -154,6 +157,8 @@ class StepOutput:
 
     logits: torch.Tensor
     scores: dict[int, TokenLogprobs] = field(default_factory=dict)
+    # `StepPlan.aligns`' rows: [alignment heads, the row's decoder tokens, its source positions]
+    cross_attention: dict[int, torch.Tensor] = field(default_factory=dict)
     reused: bool = False  # the logits live in a buffer the next step overwrites (a CUDA graph's)
 
 
@@ -161,8 +166,8 @@ class StepOutput:
 # ints: a header of counts and `ranked`, then the per-row columns, the table edits, releases,
 # copies, scores, exact rows and logits rows, LoRA slots, installs (slot, then the rank of each
 # projection in `adapter_paths` order, 0 when the adapter leaves it alone), the deferred tokens'
-# rows and sources, and the sources (-1, or the number of encodes, then each row's source length
-# and each encode's row, length and tokens).
+# rows and sources, and the sources (-1, or the number of encodes, then each row's source length,
+# the source groups, the aligned rows and each encode's row, length and tokens).
 # floats: every install's A and B, flattened, in that order.
 _HEADER = 12
 
@@ -221,6 +226,7 @@ def encode_plan(
     if plan.source_lens is not None:
         data += plan.source_lens
         data += (len(plan.source_groups), *plan.source_groups)
+        data += (len(plan.aligns), *plan.aligns)
         for encode in plan.encodes:
             if encode.features is not None:  # start-up refuses tensor parallelism for them
                 raise ValueError("an audio source's features have no int encoding")
@@ -310,6 +316,7 @@ def decode_plan(
     if n_encodes >= 0:
         plan.source_lens = read.take(n)
         plan.source_groups = read.take(read.one())
+        plan.aligns = read.take(read.one())
         for _ in range(n_encodes):
             row, count = read.take(2)
             plan.encodes.append(SourceEncode(row, read.take(count)))

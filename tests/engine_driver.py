@@ -22,6 +22,7 @@ class StubRequest:
     rows: list[Sequence] = field(default_factory=list)
     width: int = 1
     unscored_from: int | None = None
+    cache_limit: int | None = None
     scores_prompt: bool = False
     returns_logprobs: bool = False
     priority: int = 0

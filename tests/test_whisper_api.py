@@ -115,11 +115,18 @@ async def test_beams_and_a_previous_text_prompt_are_generates(
 
 @pytest.mark.timeout(180)
 async def test_the_engine_process_gets_the_audio_too(whisper_dir: Path) -> None:
-    """The window's features cross the pipe to the engine process with the request."""
+    """The window's features cross the pipe to the engine process with the request (and a
+    window's cross-attention scores come back)."""
     async with started_client(whisper_dir, "whisper", engine_process="on", **settings()) as c:
         r = await transcribe(c)
         assert r.status_code == 200, r.text
         assert r.json()["text"] == expected(whisper_dir, decode_audio(WAV, 30))
+        # and the cross-attention scores of word timestamps come back through it
+        fields = {"response_format": "verbose_json", "timestamp_granularities[]": "word"}
+        r = await transcribe(c, **fields)
+        assert r.status_code == 200, r.text
+        words = r.json()["words"]
+        assert words and all(0 <= w["start"] <= w["end"] <= 30 for w in words), words
 
 
 @pytest.mark.parametrize("kind", sorted(CONTAINERS))
@@ -237,7 +244,16 @@ async def test_a_multilingual_model_detects_the_language_and_translates(
         (dict(num_beams=0), "num_beams", "greater than or equal"),
         (dict(colour="red"), "colour", "unknown field"),
         (dict(language="fr"), "language", "English-only"),
-        (dict(**{"timestamp_granularities[]": "word"}), "timestamp_granularities", "word"),
+        (dict(**{"timestamp_granularities[]": "word"}), "timestamp_granularities", "verbose_json"),
+        (
+            dict(
+                response_format="verbose_json",
+                stream="true",
+                **{"timestamp_granularities[]": "word"},
+            ),
+            "timestamp_granularities",
+            "not streamed",
+        ),
     ],
 )
 async def test_a_hostile_upload_is_a_400_and_the_server_serves_on(

@@ -38,7 +38,8 @@ class TranscriptionForm(BaseModel):
     )
     timestamp_granularities: list[Literal["segment", "word"]] = Field(
         default_factory=list,
-        description="sent as timestamp_granularities[]; segment (verbose_json); word: a 400",
+        description="sent as timestamp_granularities[], with verbose_json: segment (the default), "
+        "word (the words' times, from the decoder's cross-attention), or both",
     )
     include: list[str] = Field(default_factory=list, description="none can be added: a 400")
     stream: bool = Field(

@@ -40,6 +40,8 @@ CONVERTED_FIELDS: dict[str, str] = {
     "timestamp_rules": "not a request field: a speech model's transcript with timestamps",
     "logprobs_mode": "not a request field: raw; the audio routes' are processed (the fallback "
     "averages them, as generate() does)",
+    "cross_attention": "not a request field: the audio routes' word timestamps read a window's "
+    "cross-attention scores",
 }
 PASSED_AS_IS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodingParams) if f.name not in CONVERTED_FIELDS

@@ -1,11 +1,12 @@
-"""A transcript in each of OpenAI's response formats: json, text, verbose_json (segments, the
-task, language and duration), srt and vtt (subtitles of the segments). A window decoded without
-timestamps is one segment spanning the audio."""
+"""A transcript in each of OpenAI's response formats: json, text, verbose_json (segments or
+words or both, the task, language and duration), srt and vtt (subtitles of the segments). A
+window decoded without timestamps is one segment spanning the audio."""
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,13 @@ class Heard:
 
 
 def render(
-    response_format: str, call: Heard, text: str, heard: list[Segment]
+    response_format: str,
+    call: Heard,
+    text: str,
+    heard: list[Segment],
+    granularities: Sequence[str] = ("segment",),
 ) -> JSONResponse | PlainTextResponse:
+    """The response; verbose_json reports the segments, the words, or both (`granularities`)."""
     text = text.strip()
     form = response_format
     if form == "text":
@@ -45,9 +51,16 @@ def render(
         "language": call.language,
         "duration": round(call.duration, 3),
         "text": text,
-        "segments": segments,
         "usage": usage,
     }
+    if "word" in granularities:
+        body["words"] = [
+            {"word": w.word, "start": min(w.start, call.duration), "end": min(w.end, call.duration)}
+            for part in heard
+            for w in part.words
+        ]
+    if "segment" in granularities:
+        body["segments"] = segments
     return JSONResponse(body)
 
 

@@ -85,9 +85,9 @@ def check_form(speech: SpeechModel, form: TranscriptionForm, task: str) -> None:
     """What the form asks that this model or this server cannot give: a 400 naming it."""
     if form.include:
         raise bad_request("include is not available: no field can be added", "include")
-    if "word" in form.timestamp_granularities:
+    if "word" in form.timestamp_granularities and form.stream:
         raise bad_request(
-            "word timestamps are not available yet; segment timestamps are",
+            "word timestamps are not streamed: a stream's events carry text only",
             "timestamp_granularities",
             "unsupported",
         )
@@ -131,7 +131,8 @@ async def respond(ctx: ServingContext, request_id: str, call: Transcription) -> 
     text = str(ctx.tokenizer.decode(tokens, skip_special_tokens=True))
     language = LANGUAGES.get(call.language or "", call.language or "")
     info = Heard(call.task, language, call.duration)
-    return render(call.form.response_format, info, text, heard)
+    granularities = call.form.timestamp_granularities or ["segment"]
+    return render(call.form.response_format, info, text, heard, granularities)
 
 
 async def stream(

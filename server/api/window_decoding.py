@@ -9,10 +9,13 @@ Without `language`, a multilingual model's language is detected on the first win
 an engine request of its own (its encoder's blocks are the prefix cache's when the transcription
 starts). The probability of `<|nospeech|>` at the same place is one such step too, asked for only
 where it is needed: an attempt below the log-probability threshold, or a response that reports it.
+Word timestamps read each decoded window's text once more, a request of its own that returns the
+decoder's cross-attention scores (`with_words`; server/audio/alignment.py aligns them).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -27,10 +30,11 @@ from server.api.audio_forms import TranscriptionForm
 from server.api.errors import APIError
 from server.api.responses import run_jobs
 from server.api.serving import Job, ServingContext
+from server.audio.alignment import place_words, window_words
 from server.audio.fallback import Attempt, FallbackRules, fails, silent, unlikely
 from server.audio.segments import Segment
 from server.audio.speech_model import SpeechModel, window_salt
-from server.audio.windows import Span, window_input, window_spans
+from server.audio.windows import FRAME_SECONDS, Span, window_input, window_spans
 
 
 @dataclass
@@ -54,6 +58,11 @@ class Transcription:
     def __post_init__(self) -> None:
         self.previous = self.prompt
         self.job = self.window_job(0, self.rules.temperatures[0])[0]
+
+    @property
+    def words(self) -> bool:
+        """Its words' times are asked for (alignment.py)."""
+        return "word" in self.form.timestamp_granularities
 
     @property
     def frames(self) -> int:
@@ -104,6 +113,39 @@ class Transcription:
         if ctx.metrics is not None:
             elapsed = time.monotonic() - self.arrived
             ctx.metrics.record_audio(task=self.task, audio_s=self.duration, elapsed_s=elapsed)
+
+
+async def with_words(
+    ctx: ServingContext,
+    request_id: str,
+    call: Transcription,
+    decoded: Decoded,
+    segments: list[Segment],
+    heard: float,
+) -> tuple[list[Segment], float]:
+    """A window's segments with their words: its text read once more by the decoder after
+    `<|notimestamps|>`, a request that generates nothing and returns its cross-attention
+    scores (its encoder's blocks are the prefix cache's), then aligned (alignment.py)."""
+    speech, window = call.speech, decoded.job
+    end = speech.end_of_text
+    text = [t for segment in segments for t in segment.tokens if t < end]
+    prompt = speech.decoder_prompt(call.language, call.task)
+    params = DecodingParams(max_tokens=0, cross_attention=True, cache_salt=window.params.cache_salt)
+    job = Job(speech.engine_prompt([*prompt, *text, end]), params, 0)
+    job.source_len, job.source_features = window.source_len, window.source_features
+    scores = None
+    async with aclosing(run_jobs(ctx, request_id, [job])) as outputs:
+        async for _, out in outputs:
+            if out.error is not None:
+                raise APIError(500, out.error, code="engine_error")
+            scores = out.cross_attention if out.cross_attention is not None else scores
+    if scores is None:
+        raise APIError(500, "the engine returned no cross-attention scores", code="engine_error")
+    timed = await asyncio.to_thread(
+        window_words, ctx.tokenizer, scores, decoded.frames, len(prompt), text, end, call.language
+    )
+    offset = segments[0].seek * FRAME_SECONDS
+    return place_words(segments, timed, end, offset, heard)
 
 
 async def attempt_of(ctx: ServingContext, request_id: str, job: Job) -> Attempt:
@@ -177,6 +219,7 @@ class Decoded:
     frames: int
     skipped: bool
     no_speech_prob: float | None
+    job: Job  # the kept attempt's
 
 
 async def decode_window(
@@ -192,10 +235,10 @@ async def decode_window(
         if no_speech is None and (reports or unlikely(attempt, rules)):
             no_speech = await no_speech_prob(ctx, f"{request_id}-nospeech", call, job)
         if no_speech is not None and silent(attempt, rules, no_speech):
-            return Decoded(attempt, frames, True, no_speech)
+            return Decoded(attempt, frames, True, no_speech, job)
         if not fails(attempt, rules, vocab):
             break
-    return Decoded(attempt, frames, False, no_speech)
+    return Decoded(attempt, frames, False, no_speech, job)
 
 
 async def windows(
@@ -206,6 +249,7 @@ async def windows(
     speech = call.speech
     end_of_text, begin = speech.end_of_text, speech.no_timestamps + 1
     seek, index = 0, 0
+    heard = 0.0  # where the last speech ended (word timestamps)
     kept = [call.prompt[1:]] if call.prompt else []  # `prompt`: the first segment's text
     conditioned = call.form.condition_on_previous_text
     while seek < call.frames:
@@ -222,7 +266,11 @@ async def windows(
             continue
         spans, offset = window_spans(tokens, begin, seek, decoded.frames)
         kept += [span.tokens for span in spans]
-        yield segments_of(ctx, spans, decoded, call, seek)
+        segments = segments_of(ctx, spans, decoded, call, seek)
+        if call.words:
+            words_id = f"{request_id}-{index - 1}-words"
+            segments, heard = await with_words(ctx, words_id, call, decoded, segments, heard)
+        yield segments
         seek += offset
 
 

@@ -224,7 +224,7 @@ class Engine:
             if self._land() and deferred is not None:
                 return True  # a top-k tie changed a token this step read: it runs again
             self._render_outputs()
-            self.prompt_scoring.record(schedule.items, output.scores)
+            self.prompt_scoring.record(schedule.items, output.scores, output.cross_attention)
             sampling = self.scheduler.update_from_output(schedule)
             if sampling:
                 self._decode(sampling, output.logits, output.reused)

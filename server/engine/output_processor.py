@@ -255,6 +255,7 @@ def _emit(
     prompt_logprobs = None
     if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and error is None:
         prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True  # first output only
+    cross_attention, req.cross_attention = req.cross_attention, None  # a prompt's one output
     req.emit(
         RequestOutput(
             request_id=req.request_id,
@@ -269,6 +270,7 @@ def _emit(
             prompt_logprobs=prompt_logprobs,
             beam_score=beam[0],
             beam_group=beam[1],
+            cross_attention=cross_attention if error is None else None,
             error=error,
             request_done=request_done,
         )

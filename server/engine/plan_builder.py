@@ -92,6 +92,12 @@ class PlanBuilder:
                 for r, (item, source) in enumerate(zip(items, plan.source_lens))
                 if item.seq.num_computed < source
             ]
+            plan.aligns = [
+                r
+                for r, (item, source) in enumerate(zip(items, plan.source_lens))
+                if item.seq.request.params.cross_attention
+                and item.seq.num_computed + item.num_new > source
+            ]
         plan.ranked = ranked or 0
         plan.installs, self.installs = self.installs, []
         return plan

@@ -1,11 +1,15 @@
 """Prompt logprobs: which prompt positions each step scores, the results kept per request, and
-the requests that only score their prompt (max_tokens 0).
+the requests that only score their prompt (max_tokens 0), and the cross-attention scores an
+encoder-decoder prompt of those asks for (`cross_attention`: Whisper's word times).
 
 A request that asks (`prompt_logprobs`, or echo + logprobs) scores its prompt during prefill: each
 chunk of its prompt asks the model runner for the logprobs of the tokens that follow its positions
 (`WorkItem.score`), reduced to the requested top-k there. A position scored before a preemption is
 not scored again; the prefix cache serves only the positions before the first unscored one
-(`EngineRequest.unscored_from`), since cached blocks hold keys and values but no logits.
+(`EngineRequest.unscored_from`), since cached blocks hold keys and values but no logits. A
+`cross_attention` prompt computes its decoder positions for the same reason (its source's blocks
+may be cached): each step returns the scores of the positions it ran, kept by position, so a
+chunked or preempted prompt ends with each position's once.
 """
 
 from __future__ import annotations
@@ -64,8 +68,16 @@ class PromptScoring:
             return item
         return WorkItem(item.seq, item.num_new, ScoreSpan(begin, end, top))
 
-    def record(self, items: list[WorkItem], scores: dict[int, TokenLogprobs]) -> None:
-        """Append each scored span to its request's prompt logprobs, in prompt order."""
+    def record(
+        self,
+        items: list[WorkItem],
+        scores: dict[int, TokenLogprobs],
+        cross_attention: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Append each scored span to its request's prompt logprobs, in prompt order, and keep
+        the step's cross-attention scores (`record_cross_attention`)."""
+        if cross_attention:
+            record_cross_attention(items, cross_attention)
         for i, scored in scores.items():
             span, req = items[i].score, items[i].seq.request
             assert span is not None and req.prompt_logprobs is not None
@@ -79,3 +91,17 @@ class PromptScoring:
             )
             if req.unscored_from is None:
                 self.pending.discard(req)
+
+
+def record_cross_attention(items: list[WorkItem], rows: dict[int, torch.Tensor]) -> None:
+    """Put each aligned row's scores [heads, new decoder tokens, source] (StepOutput) at their
+    decoder positions of its request's."""
+    for r, scores in rows.items():
+        seq = items[r].seq
+        req = seq.request
+        decoder = len(req.prompt_ids) - req.source_len
+        if req.cross_attention is None:
+            shape = (scores.shape[0], decoder, scores.shape[2])
+            req.cross_attention = scores.new_zeros(shape, device="cpu")
+        stop = seq.num_computed + items[r].num_new - req.source_len
+        req.cross_attention[:, stop - scores.shape[1] : stop] = scores.cpu()

@@ -80,6 +80,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     beam_score: float | None = None  # beams: the hypothesis' score; diverse beams: its group too
     beam_group: int | None = None
+    # a cross_attention request's: [alignment heads, decoder positions, source positions]
+    cross_attention: torch.Tensor | None = None
     error: str | None = None
     request_done: bool = False  # the last output of the request: nothing follows
 
@@ -99,6 +101,7 @@ class RequestOutput:
             or self.error is not None
             or later.error is not None
             or later.prompt_logprobs is not None
+            or later.cross_attention is not None
             or self.beam_score is not None
             or later.beam_score is not None
             or not _one_per_token(self)
@@ -222,6 +225,8 @@ class EngineRequest:
     # prompt logprobs, when asked for: one per prompt token scored so far (the first is None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    # cross_attention: its decoder positions' scores as computed so far (prompt_scoring.py)
+    cross_attention: torch.Tensor | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -289,6 +294,14 @@ class EngineRequest:
         """It asks for its prompt's logprobs: its prompt runs at full precision under an int8
         format (model/exact_weights.py), and shares prefix-cache blocks only with such requests."""
         return self.params.prompt_logprobs is not None
+
+    @property
+    def cache_limit(self) -> int | None:
+        """The prompt positions the prefix cache may serve, at most (None: all): a cached block
+        holds keys and values, no logits and no attention scores."""
+        if self.params.cross_attention:
+            return self.source_len
+        return self.unscored_from
 
     @property
     def unscored_from(self) -> int | None:

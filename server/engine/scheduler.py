@@ -175,11 +175,11 @@ class Scheduler:
 
     def _attach_cached(self, request: EngineRequest) -> tuple[int, int]:
         """Point the rows with nothing computed at their cached prefix: (queried, hit) tokens.
-        A prompt still to be scored (prompt logprobs) takes cached blocks only before the first
-        position it must score: a cached block has keys and values but no logits."""
+        A prompt still to be scored (prompt logprobs, cross-attention scores) takes cached blocks
+        only before the first position it must score (EngineRequest.cache_limit)."""
         queried = hit = 0
         if self.prefix_cache is not None:
-            limit = request.unscored_from
+            limit = request.cache_limit
             for seq in request.rows:
                 if seq.num_computed == 0 and not seq.block_table:
                     queried += len(seq.token_ids)

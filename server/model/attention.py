@@ -29,7 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from server.model.kv_cache import PagedKVCache
 from server.model.paged_step import PagedStep
-from server.model.step_context import CrossStep, DecodeStep, StepContext
+from server.model.step_context import CrossStep, DecodeStep, SeqSlice, StepContext
 
 ATTENTION_NAME = "beamline_paged"
 
@@ -158,6 +158,27 @@ def _attend_sources(
     return out.flatten(0, 1).index_select(0, cross.query_slots)
 
 
+def _keep_scores(
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    s: SeqSlice,
+    scaling: float,
+    kept: dict[int, dict[int, torch.Tensor]],
+) -> None:
+    """Keep an aligned slice's scaled query-key products at the layer's alignment heads (the
+    runner marks them, `beamline_alignment_heads`) over its source positions, before softmax."""
+    heads = getattr(module, "beamline_alignment_heads", None)
+    if not heads:
+        return
+    index = torch.tensor(heads, device=q.device)
+    group = q.shape[1] // k.shape[1]  # grouped keys: a query head's key head
+    qh = q[0].index_select(0, index)  # [h, n, D]
+    kh = k[0].index_select(0, index // group)[:, : s.source_len]  # [h, S, D]
+    layer = cast(int, module.layer_idx)
+    kept.setdefault(s.start, {})[layer] = (qh.float() @ kh.float().transpose(1, 2)) * scaling
+
+
 PagedKernel = Callable[..., torch.Tensor]  # triton_attention.paged_attention's signature
 
 
@@ -217,6 +238,8 @@ def make_paged_attention(cache: PagedKVCache, kernel: PagedKernel | None = None)
             kp = k_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
             vp = v_pool.index_select(0, s.gather).permute(1, 0, 2).unsqueeze(0)
             mask = ctx.prefill_mask(s, sliding_window, cross)
+            if cross and s.aligned and ctx.cross_scores is not None:
+                _keep_scores(module, qp, kp, s, scale, ctx.cross_scores)
             bias = None
             if relative is not None:  # [n, L, H] -> [1, H, n, L]
                 k_pos = torch.arange(s.context_len, device=q.device)

@@ -166,11 +166,12 @@ def _gather_context(
     prefill: list[SeqSlice] = []
     decode_rows: list[int] = []
     sources = source_lens or itertools.repeat(0)  # decoder-only rows: no source
+    aligned = set(plan.aligns)  # kept as slices, even of one token: their scores are read
     for row, (table, first, start, n, source) in enumerate(
         zip(tables, row_starts, plan.starts, plan.num_new, sources)
     ):
         stop = start + n
-        if n == 1:
+        if n == 1 and row not in aligned:
             decode_rows.append(row)
             slot_mapping.append(table[start // block_size] * block_size + start % block_size)
             decode_index.append(first)
@@ -180,7 +181,8 @@ def _gather_context(
         else:
             history = slots(table, 0, stop, block_size)
             slot_mapping += history[start:].tolist()
-            prefill.append(SeqSlice(first, n, stop, to_device(history, device), source))
+            gathered = to_device(history, device)
+            prefill.append(SeqSlice(first, n, stop, gathered, source, row in aligned))
     decode = None
     index = None
     if decode_index:
@@ -206,6 +208,7 @@ def _gather_context(
         prefill=prefill,
         device=device,
         source_lens=per_token,
+        cross_scores={} if aligned else None,
     )
 
 

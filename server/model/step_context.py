@@ -24,6 +24,8 @@ class SeqSlice:
     context_len: int  # tokens in cache after this step (history + new)
     gather: torch.Tensor  # [context_len] flat slot ids of the whole history, in order
     source_len: int = 0  # an encoder-decoder row's source positions (at the front)
+    # its cross-attention scores at the alignment heads are kept (StepContext.cross_scores)
+    aligned: bool = False
 
 
 @dataclass
@@ -169,6 +171,9 @@ class StepContext:
     prefill: list[SeqSlice]  # sequences with a chunk of several tokens
     device: torch.device
     source_lens: torch.Tensor | None = None  # [T] encoder-decoder: each token's row's source
+    # aligned slices' cross-attention scores, by the slice's `start`, then by layer: [alignment
+    # heads of the layer, new tokens, source positions] (attention.py); None: none aligned
+    cross_scores: dict[int, dict[int, torch.Tensor]] | None = None
     _cache: dict = field(default_factory=dict)
 
     def prefill_mask(self, s: SeqSlice, window: int | None, cross: bool = False) -> torch.Tensor:

@@ -70,6 +70,8 @@ class Seq2SeqParts:
         # most checkpoints' bias is zeros: adding it would cost a pass over every step's logits
         self.bias = bias if bias is not None and bool(bias.any()) else None
         self._stand_in: torch.Tensor | None = None
+        # (layer, head) of the cross-attention heads a `cross_attention` request reads, in order
+        self.alignment_heads: list[tuple[int, int]] = []
 
     def _layers(self) -> list[Any]:
         return list(cast(Any, self.decoder).layers)

@@ -95,6 +95,8 @@ class Seq2SeqRunner(ModelRunner):
                 forward=packed_decode,
             )
         self.pad_cross = compile_decode  # the compiled graphs take no source dimension of one
+        # the last step's aligned rows' cross-attention scores (attention.py keeps them)
+        self._cross_scores: dict[int, dict[int, torch.Tensor]] | None = None
 
     def _run_decoder(
         self,
@@ -105,6 +107,7 @@ class Seq2SeqRunner(ModelRunner):
         if not isinstance(ctx, StepContext) or ctx.source_lens is None:  # see _execute
             raise RuntimeError("encoder-decoder steps run packed, on the gather path")
         relative = position_ids - ctx.source_lens.view(1, -1)  # from the decoder's first token
+        self._cross_scores = ctx.cross_scores
         step = ctx.decode
         if self.compiled is not None and not ctx.prefill and step is not None and fits(step):
             step.kv = self.kv_cache  # every row adds one token: the step is its DecodeStep
@@ -149,12 +152,26 @@ class Seq2SeqRunner(ModelRunner):
         for row_id in plan.released:
             self._encoded.pop(row_id, None)
         if not plan.encodes:  # the steady state: every row is past its source
-            return self._execute_packed(replace(plan, source_lens=sources), tables)
+            part = replace(plan, source_lens=sources)
+            every = list(range(len(plan)))
+            return self._with_scores(self._execute_packed(part, tables), part, every)
         self._write_sources(plan, tables)
         part, kept = decoder_part(plan, sources)
         if not kept:  # every row's tokens were source positions (a chunked source)
             return StepOutput(torch.empty((0, self.vocab_size), device=self.device))
-        return self._execute_packed(part, [tables[r] for r in kept])
+        return self._with_scores(self._execute_packed(part, [tables[r] for r in kept]), part, kept)
+
+    def _with_scores(self, output: StepOutput, part: StepPlan, kept: list[int]) -> StepOutput:
+        """The step's output with its aligned rows' cross-attention scores, by the plan's row
+        index: [alignment heads, the row's decoder tokens, its source positions]."""
+        scores, self._cross_scores = self._cross_scores, None
+        if not part.aligns or scores is None:
+            return output
+        starts = part.token_starts()
+        for row in part.aligns:
+            layers = scores[starts[row]]
+            output.cross_attention[kept[row]] = torch.cat([layers[i] for i in sorted(layers)])
+        return output
 
     def _write_sources(self, plan: StepPlan, tables: list[list[int]]) -> None:
         """Run the encoder once over the sources this step reaches first (batched), and write
@@ -212,6 +229,7 @@ def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int
         tokens=tokens,
         source_lens=[sources[r] for r in kept],
         source_groups=[plan.source_groups[r] for r in kept] if plan.source_groups else [],
+        aligns=[i for i, r in enumerate(kept) if r in plan.aligns],
         table_edits=[],
         released=[],
         copies=[],

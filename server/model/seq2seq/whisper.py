@@ -7,6 +7,11 @@ table and KV budget as any source's ids do, and its features travel beside them
 (`SourceEncode.features`); the front end makes the placeholders of different audio different for
 the prefix cache (server/audio/). The decoder is BART's with a learned position table read by
 index, no embedding scale and no embedding layer norm; its LM head is the token embedding.
+
+Its alignment heads (the generation config's `alignment_heads`; else, as openai-whisper, every
+head of the decoder's second half) are the cross-attention heads whose scores a `cross_attention`
+request returns (attention.py keeps them): where in the audio each token was heard, for word
+timestamps (server/audio/alignment.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,18 @@ from server.step_plan import SourceEncode
 
 
 class WhisperParts(Seq2SeqParts):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        config = cast(Any, self.model).config
+        heads = getattr(getattr(self.model, "generation_config", None), "alignment_heads", None)
+        if not heads:
+            layers, per_layer = config.decoder_layers, config.decoder_attention_heads
+            heads = [(i, h) for i in range(layers // 2, layers) for h in range(per_layer)]
+        self.alignment_heads = sorted((int(i), int(h)) for i, h in heads)
+        for index, layer in enumerate(self.layers):
+            attn = self.cross_attention(layer)
+            attn.beamline_alignment_heads = [h for i, h in self.alignment_heads if i == index]
+
     def encode(self, encodes: list[SourceEncode], device: torch.device) -> list[torch.Tensor]:
         """The encoder's output [1500, d_model] of each window, the windows in one call."""
         if any(encode.features is None for encode in encodes):
