@@ -142,6 +142,20 @@ def after_start_up(ctx: ServingContext, poll_s: float = 0.1) -> None:
         log.info("grammar tokenizer ready in %.1f s", time.monotonic() - started)
 
 
+def refuse_a_pool_without_a_window(engine: EngineClient, speech: SpeechModel) -> None:
+    """A speech model whose KV pool cannot hold one window's row could serve no upload: refused
+    at start-up (the engine shut down) rather than leave every upload waiting."""
+    kv = engine.kv_capacity
+    need = kv.blocks_for(speech.window_tokens)
+    if need > kv.num_blocks:
+        engine.shutdown()
+        raise ValueError(
+            f"the KV cache holds {kv.num_blocks} blocks of {kv.block_size} positions, and one "
+            f"window of this speech model needs {need} ({speech.window_tokens} positions: its "
+            "audio's and the decoder's): raise num_kv_blocks (or the memory given to the cache)"
+        )
+
+
 def _build_serving_context(config: ServerConfig) -> ServingContext:
     started_at = time.monotonic()
     device = pick_device(config.device)
@@ -189,6 +203,8 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         speech=SpeechModel.read(model_dir, tokenizer),
         grammar_token_bytes=token_bytes_path(model_dir, config.cache_dir or default_cache_dir()),
     )
+    if ctx.speech is not None:
+        refuse_a_pool_without_a_window(ctx.engine, ctx.speech)
     if ctx.encoder_decoder is not None:  # generate()'s defaults too; greedy unless it samples
         ctx.model_sampling_defaults.update(ctx.encoder_decoder.defaults)
     log.info(describe(ctx.model_sampling_defaults, config.generation_config_defaults))

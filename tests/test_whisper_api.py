@@ -242,6 +242,7 @@ async def test_a_multilingual_model_detects_the_language_and_translates(
         (dict(response_format="xml"), "response_format", "verbose_json"),
         (dict(temperature=2), "temperature", "less than or equal"),
         (dict(num_beams=0), "num_beams", "greater than or equal"),
+        (dict(num_beams=6), "num_beams", "KV-cache blocks"),  # 6 windows > the pool's 512
         (dict(colour="red"), "colour", "unknown field"),
         (dict(language="fr"), "language", "English-only"),
         (dict(**{"timestamp_granularities[]": "word"}), "timestamp_granularities", "verbose_json"),
@@ -326,3 +327,11 @@ def test_settings_whisper_does_not_run_with_are_refused_by_name(
     with pytest.raises(ModelLoadFailed) as failed:
         build_serving_context(config)
     assert "Whisper models do not run with" in str(failed.value) and named in str(failed.value)
+
+
+def test_a_kv_pool_that_cannot_hold_a_window_is_refused_at_start_up(whisper_dir: Path) -> None:
+    config = ServerConfig(
+        model=str(whisper_dir), device="cpu", num_kv_blocks=64, block_size=16, engine_process="off"
+    )
+    with pytest.raises(ModelLoadFailed, match="one window of this speech model needs 102"):
+        build_serving_context(config)

@@ -53,6 +53,7 @@ async def prepare(
     speech = require_speech(ctx)
     check_model(ctx, form.model)
     check_form(speech, form, task)
+    check_fits_kv_pool(ctx, speech, form)
     try:
         samples = await asyncio.to_thread(decode_audio, data, ctx.config.max_audio_seconds)
     except AudioError as exc:
@@ -79,6 +80,22 @@ async def prepare(
     return Transcription(
         form, task, language, duration, features, speech, timed, prompt, params, rules, arrived
     )
+
+
+def check_fits_kv_pool(ctx: ServingContext, speech: SpeechModel, form: TranscriptionForm) -> None:
+    """Refuse beams or samples the KV pool cannot hold, each row a whole window (its source and
+    the decoder's positions): after a preemption every row recomputes its own."""
+    kv = ctx.engine.kv_capacity
+    for param, width in (("num_beams", form.num_beams), ("best_of", form.best_of or 1)):
+        need = width * kv.blocks_for(speech.window_tokens)
+        if need > kv.num_blocks:
+            raise bad_request(
+                f"a window decoded with {param} {width} needs up to {need} KV-cache blocks "
+                f"({width} rows x {speech.window_tokens} positions) but the server's pool has "
+                f"{kv.num_blocks}; lower {param}",
+                param,
+                "kv_cache_too_small",
+            )
 
 
 def check_form(speech: SpeechModel, form: TranscriptionForm, task: str) -> None:

@@ -90,6 +90,11 @@ class SpeechModel:
         )
 
     @property
+    def window_tokens(self) -> int:
+        """The positions a window's row can take: its source's and the decoder's."""
+        return self.source_positions + self.max_target_positions
+
+    @property
     def no_speech(self) -> int:
         """`<|nospeech|>` (`<|nocaptions|>` in English-only vocabularies), as generate() finds it:
         the token before `<|notimestamps|>`."""
