@@ -72,7 +72,15 @@ def is_ct2_whisper(path: Path) -> bool:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return "model_type" not in config and ("suppress_ids" in config or "lang_ids" in config)
+    return is_ct2_whisper_config(config)
+
+
+def is_ct2_whisper_config(config: object) -> bool:
+    """Whether a `config.json` is a CTranslate2 Whisper model's (no model type; its generation
+    settings instead)."""
+    if not isinstance(config, dict) or "model_type" in config:
+        return False
+    return "suppress_ids" in config or "lang_ids" in config
 
 
 def read_model_bin(parts: list[Path]) -> tuple[str, dict[str, torch.Tensor]]:

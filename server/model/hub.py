@@ -1,6 +1,7 @@
 """Models named by their Hugging Face hub id: `org/name` (a transformers repository with
-safetensors weights) or `org/name:QUANT` (one `.gguf` file of a GGUF repository, as llama.cpp and
-ollama users write it), found through huggingface_hub's cache.
+safetensors weights, or a faster-whisper repository: CTranslate2's `model.bin`) or
+`org/name:QUANT` (one `.gguf` file of a GGUF repository, as llama.cpp and ollama users write it),
+found through huggingface_hub's cache.
 
 The local cache (HF_HOME / HF_HUB_CACHE) comes first: a snapshot that already holds every file
 serving needs is used without asking the hub, so a cached model starts with no network at all.
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from server.model.ct2_whisper import is_ct2_whisper_config
+
 log = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<file>[\w.+-]+))?$")
@@ -40,8 +43,21 @@ SERVING_FILES = frozenset(
         "merges.txt",
         "chat_template.jinja",
         "chat_template.json",
+        "preprocessor_config.json",  # a speech model's feature extractor
     }
 )
+# A faster-whisper repository (CTranslate2's format: ct2_whisper.py): its weights, model.bin (or
+# its parts), are CTranslate2's own format, read without unpickling anything.
+CT2_WHISPER_FILES = frozenset(
+    {
+        "config.json",
+        "tokenizer.json",
+        "vocabulary.txt",
+        "vocabulary.json",
+        "preprocessor_config.json",
+    }
+)
+PART = re.compile(r"model\.bin(?:\.part\d+)?")
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 ReadIndex = Callable[[str], dict[str, Any]]  # a weights index file's JSON, by its name
@@ -134,6 +150,8 @@ def choose_files(
             )
         raise ModelNotFound(f"{model.repo_id} has no config.json and no .gguf file")
     top = {f for f in files if "/" not in f}
+    if any(PART.fullmatch(f) for f in top) and is_ct2_whisper_config(read_index("config.json")):
+        return sorted(f for f in top if f in CT2_WHISPER_FILES or PART.fullmatch(f))
     return sorted(top & SERVING_FILES) + _weight_files(model.repo_id, top, allow_pickle, read_index)
 
 
