@@ -26,6 +26,7 @@ def mixed_plan() -> StepPlan:
         source_lens=[6, 5, 3],
         source_groups=[0, 1, 1],
         encodes=[SourceEncode(row=0, source=[1, 2, 3, 4, 5, 6])],
+        aligns=[0, 2],  # row 0's step is all source: nothing of it to align yet
         ranked=8,
     )
 
@@ -40,6 +41,7 @@ def test_keeps_the_decoder_tokens_and_the_steps_own_fields() -> None:
     assert part.tokens == [99, 42]
     assert part.samples == [True, True] and part.num_drafts == [0, 0]
     assert part.source_lens == [5, 3] and part.source_groups == [1, 1]
+    assert part.aligns == [1]  # row 2, the part's second
     assert part.ranked == 8  # a field of the step, carried as it is
     # done by `execute` before the decoder runs: not done twice
     assert (part.table_edits, part.released, part.copies, part.encodes) == ([], [], [], [])

@@ -115,6 +115,7 @@ def test_a_plan_with_every_kind_of_change_round_trips() -> None:
             source_lens=[6, 3],
             source_groups=[0, 1],  # two requests
             encodes=[SourceEncode(1, [1, 2, 3])],
+            aligns=[0],  # its cross-attention scores asked for (word timestamps)
         ),
         StepPlan([5], [9], [1], [0], [True], [7], source_lens=[6]),  # no source in this step
         StepPlan([1, 2], [5, 5], [1, 1], [0, 0], [True, True], [4, 4], ranked=1),  # greedy rows

@@ -19,7 +19,13 @@ from transformers.models.whisper.generation_whisper import _dynamic_time_warping
 
 from benchmarks.speech_clips import SENTENCES
 from decoding import DecodingParams
-from server.audio.alignment import dynamic_time_warping, median_filter
+from server.audio.alignment import (
+    Timed,
+    _merge_punctuation,
+    dynamic_time_warping,
+    median_filter,
+    split_words,
+)
 from server.audio.speech_model import window_salt
 from server.engine.engine import Engine
 from server.engine.request import EngineRequest
@@ -104,6 +110,25 @@ def test_time_warping_and_the_median_filter_equal_transformers() -> None:
     assert np.array_equal(ours[0], theirs[0]) and np.array_equal(ours[1], theirs[1])
     weights = torch.randn(4, 9, 50)
     assert torch.equal(median_filter(weights, 7), _median_filter(weights, 7))
+
+
+def test_words_split_at_spaces_or_at_characters_and_punctuation_joins_its_word() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_en_dir())
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    ids = tokenizer(' Hello, world! "Quoted" (x)', add_special_tokens=False).input_ids
+    words, tokens = split_words(tokenizer, [*ids, end], end, "en")
+    assert words == [" Hello", ",", " world", "!", ' "Quoted', '"', " (x", ")", "<|endoftext|>"]
+    assert sum(tokens, []) == [*ids, end]
+    chinese = tokenizer(" 你好世界", add_special_tokens=False).input_ids  # two tokens a character
+    assert split_words(tokenizer, [*chinese, end], end, "zh")[0] == [
+        *" 你好世界",
+        "<|endoftext|>",
+    ]
+    timed = [Timed(w, t, i, i + 1) for i, (w, t) in enumerate(zip(words, tokens))]
+    _merge_punctuation(timed)
+    merged = [w.word for w in timed if w.word]
+    assert merged == [" Hello,", " world!", ' "Quoted"', " (x)", "<|endoftext|>"]
+    assert sum((w.tokens for w in timed), []) == [*ids, end]  # every token kept, in order
 
 
 def test_words_and_times_equal_faster_whisper(tiny_en_url: str, tmp_path: Path) -> None:

@@ -129,6 +129,8 @@ async def with_words(
     speech, window = call.speech, decoded.job
     end = speech.end_of_text
     text = [t for segment in segments for t in segment.tokens if t < end]
+    if not text:  # timestamps alone: no word to place
+        return segments, heard
     prompt = speech.decoder_prompt(call.language, call.task)
     params = DecodingParams(max_tokens=0, cross_attention=True, cache_salt=window.params.cache_salt)
     job = Job(speech.engine_prompt([*prompt, *text, end]), params, 0)
