@@ -89,9 +89,10 @@ class DecodingParams:
     # generate()'s begin_suppress_tokens (Whisper): never the first output token, EOS included
     begin_suppress_tokens: tuple[int, ...] = ()
     timestamp_rules: TimestampRules | None = None  # Whisper's, with timestamps (timestamps.py)
-    # an encoder-decoder prompt that generates nothing (max_tokens 0) returns its decoder
-    # positions' cross-attention scores at the model's alignment heads (Whisper's word times)
-    cross_attention: bool = False
+    # above 0: an encoder-decoder prompt that generates nothing (max_tokens 0) returns its
+    # decoder positions' cross-attention scores at the model's alignment heads over its first
+    # this many source positions (Whisper's word times: a window's audio)
+    cross_attention: int = 0
 
     def __post_init__(self) -> None:
         # Normalise container types so equal requests compare equal (lists from JSON, str keys).
@@ -210,6 +211,7 @@ class DecodingParams:
                 "max_tokens 0 (score the prompt, generate nothing) needs a single row: "
                 "n = 1, no best_of, no beams",
             )
+        check_int(self.cross_attention, "cross_attention", low=0)
         if self.cross_attention and self.max_tokens:
             raise DecodingParamsError("cross_attention", "cross_attention needs max_tokens 0")
         if self.num_beam_groups > 1:

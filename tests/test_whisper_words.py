@@ -49,8 +49,10 @@ def engine_of(model_dir: Path, budget: int) -> Engine:
     return Engine(runner, tokenizer, max_num_seqs=8, max_num_batched_tokens=budget)
 
 
-@pytest.mark.parametrize("budget", [4096, 5])
-def test_cross_attention_scores_equal_transformers(tmp_path: Path, budget: int) -> None:
+@pytest.mark.parametrize(("budget", "positions"), [(4096, 1500), (5, 700)])
+def test_cross_attention_scores_equal_transformers(
+    tmp_path: Path, budget: int, positions: int
+) -> None:
     model_dir = build_tiny_whisper(tmp_path / "tiny")
     engine = engine_of(model_dir, budget)
     runner = engine.runner
@@ -63,7 +65,9 @@ def test_cross_attention_scores_equal_transformers(tmp_path: Path, budget: int) 
     speech = speech_model(model_dir)
     text = [t for t in decoded.token_ids if t < speech.end_of_text][:9]
     decoder = [*speech.decoder_prompt(None), *text, speech.end_of_text]
-    params = DecodingParams(max_tokens=0, cross_attention=True, cache_salt=window_salt(features))
+    params = DecodingParams(
+        max_tokens=0, cross_attention=positions, cache_salt=window_salt(features)
+    )
     got = Collected()
     engine.submit(
         EngineRequest(
@@ -79,7 +83,7 @@ def test_cross_attention_scores_equal_transformers(tmp_path: Path, budget: int) 
     (out,) = got.outputs
     assert out.error is None and out.cached_tokens == 1488  # the window's encoder blocks
     scores = out.cross_attention
-    assert scores is not None and scores.shape == (4, len(decoder), 1500)
+    assert scores is not None and scores.shape == (4, len(decoder), positions)
     model = WhisperForConditionalGeneration.from_pretrained(model_dir, attn_implementation="eager")
     with torch.no_grad():
         theirs = model(
@@ -90,13 +94,15 @@ def test_cross_attention_scores_equal_transformers(tmp_path: Path, budget: int) 
     expected = torch.stack(
         [theirs[layer][0, head] for layer, head in [(1, 0), (1, 1), (1, 2), (1, 3)]]
     )
+    # over the positions asked for: their share of the attention, as a softmax over them alone
+    expected = expected[..., :positions] / expected[..., :positions].sum(-1, keepdim=True)
     torch.testing.assert_close(scores.softmax(-1), expected, atol=1e-5, rtol=1e-4)
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
 def test_cross_attention_asks_for_a_prompt_only_request() -> None:
     with pytest.raises(ValueError, match="cross_attention needs max_tokens 0"):
-        DecodingParams(max_tokens=4, cross_attention=True)
+        DecodingParams(max_tokens=4, cross_attention=1500)
 
 
 def test_time_warping_and_the_median_filter_equal_transformers() -> None:

@@ -34,7 +34,13 @@ from server.audio.alignment import place_words, window_words
 from server.audio.fallback import Attempt, FallbackRules, fails, silent, unlikely
 from server.audio.segments import Segment
 from server.audio.speech_model import SpeechModel, window_salt
-from server.audio.windows import FRAME_SECONDS, Span, window_input, window_spans
+from server.audio.windows import (
+    FRAME_SECONDS,
+    INPUT_STRIDE,
+    Span,
+    window_input,
+    window_spans,
+)
 
 
 @dataclass
@@ -132,7 +138,11 @@ async def with_words(
     if not text:  # timestamps alone: no word to place
         return segments, heard
     prompt = speech.decoder_prompt(call.language, call.task)
-    params = DecodingParams(max_tokens=0, cross_attention=True, cache_salt=window.params.cache_salt)
+    params = DecodingParams(
+        max_tokens=0,
+        cross_attention=decoded.frames // INPUT_STRIDE,  # the window's audio
+        cache_salt=window.params.cache_salt,
+    )
     job = Job(speech.engine_prompt([*prompt, *text, end]), params, 0)
     job.source_len, job.source_features = window.source_len, window.source_features
     scores = None

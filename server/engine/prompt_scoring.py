@@ -95,13 +95,15 @@ class PromptScoring:
 
 def record_cross_attention(items: list[WorkItem], rows: dict[int, torch.Tensor]) -> None:
     """Put each aligned row's scores [heads, new decoder tokens, source] (StepOutput) at their
-    decoder positions of its request's."""
+    decoder positions of its request's, over the source positions it asks for (what crosses
+    the process pipe: a short window's audio is a fraction of its source)."""
     for r, scores in rows.items():
         seq = items[r].seq
         req = seq.request
         decoder = len(req.prompt_ids) - req.source_len
+        kept = min(req.params.cross_attention, scores.shape[2])  # the source positions asked
         if req.cross_attention is None:
-            shape = (scores.shape[0], decoder, scores.shape[2])
+            shape = (scores.shape[0], decoder, kept)
             req.cross_attention = scores.new_zeros(shape, device="cpu")
         stop = seq.num_computed + items[r].num_new - req.source_len
-        req.cross_attention[:, stop - scores.shape[1] : stop] = scores.cpu()
+        req.cross_attention[:, stop - scores.shape[1] : stop] = scores[:, :, :kept].cpu()

@@ -80,7 +80,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     beam_score: float | None = None  # beams: the hypothesis' score; diverse beams: its group too
     beam_group: int | None = None
-    # a cross_attention request's: [alignment heads, decoder positions, source positions]
+    # a cross_attention request's: [alignment heads, decoder positions, source positions asked]
     cross_attention: torch.Tensor | None = None
     error: str | None = None
     request_done: bool = False  # the last output of the request: nothing follows
