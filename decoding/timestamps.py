@@ -66,11 +66,11 @@ def timestamp_rows(
         penultimate = len(seq) < 2 or seq[-2] >= begin
         text_only.append(last and penultimate)
         no_text.append(last and not penultimate)
-        stamps = [t for t in seq if t >= begin]
-        if not stamps:
+        latest = next((t for t in reversed(seq) if t >= begin), None)  # from the end: O(text)
+        if latest is None:
             lowest.append(begin)
         else:
-            lowest.append(stamps[-1] if last and not penultimate else stamps[-1] + 1)
+            lowest.append(latest if last and not penultimate else latest + 1)
         first.append(len(seq) == 0)
 
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
