@@ -184,19 +184,23 @@ def _check_fits_kv_pool(
     """Refuse what could never run: after a preemption every row recomputes its whole sequence
     without sharing, so the pool must hold width x (prompt + max_tokens) tokens; otherwise the
     request would be preempted forever and hold up everyone else."""
+    if params.is_beam:
+        param = "num_beams"
+    elif params.strategy == "best_of":
+        param = "best_of"
+    else:
+        param = "n" if params.width > 1 else max_tokens_param
+    check_rows_fit(ctx, params.width, prompt_len + params.max_tokens, param)
+
+
+def check_rows_fit(ctx: ServingContext, width: int, tokens: int, param: str) -> None:
+    """A 400 naming `param` when `width` rows of `tokens` tokens each overflow the KV pool."""
     kv = ctx.engine.kv_capacity
-    need = params.width * kv.blocks_for(prompt_len + params.max_tokens)
+    need = width * kv.blocks_for(tokens)
     if need > kv.num_blocks:
-        if params.is_beam:
-            param = "num_beams"
-        elif params.strategy == "best_of":
-            param = "best_of"
-        else:
-            param = "n" if params.width > 1 else max_tokens_param
         raise bad_request(
-            f"this request needs up to {need} KV-cache blocks ({params.width} rows x "
-            f"{prompt_len + params.max_tokens} tokens) but the server's pool has "
-            f"{kv.num_blocks}; lower {param}",
+            f"this request needs up to {need} KV-cache blocks ({width} rows x {tokens} tokens) "
+            f"but the server's pool has {kv.num_blocks}; lower {param}",
             param,
             "kv_cache_too_small",
         )

@@ -21,6 +21,7 @@ from transformers.models.whisper.tokenization_whisper import LANGUAGES
 from decoding import DecodingParams
 from server.api.audio_forms import TranscriptionForm
 from server.api.errors import APIError, bad_request
+from server.api.request_params import check_rows_fit
 from server.api.serving import ServingContext, check_model
 from server.api.streaming import sse
 from server.api.transcript_formats import Heard, render
@@ -85,17 +86,8 @@ async def prepare(
 def check_fits_kv_pool(ctx: ServingContext, speech: SpeechModel, form: TranscriptionForm) -> None:
     """Refuse beams or samples the KV pool cannot hold, each row a whole window (its source and
     the decoder's positions): after a preemption every row recomputes its own."""
-    kv = ctx.engine.kv_capacity
     for param, width in (("num_beams", form.num_beams), ("best_of", form.best_of or 1)):
-        need = width * kv.blocks_for(speech.window_tokens)
-        if need > kv.num_blocks:
-            raise bad_request(
-                f"a window decoded with {param} {width} needs up to {need} KV-cache blocks "
-                f"({width} rows x {speech.window_tokens} positions) but the server's pool has "
-                f"{kv.num_blocks}; lower {param}",
-                param,
-                "kv_cache_too_small",
-            )
+        check_rows_fit(ctx, width, speech.window_tokens, param)
 
 
 def check_form(speech: SpeechModel, form: TranscriptionForm, task: str) -> None:

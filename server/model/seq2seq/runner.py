@@ -153,24 +153,27 @@ class Seq2SeqRunner(ModelRunner):
             self._encoded.pop(row_id, None)
         if not plan.encodes:  # the steady state: every row is past its source
             part = replace(plan, source_lens=sources)
-            every = list(range(len(plan)))
-            return self._with_scores(self._execute_packed(part, tables), part, every)
+            return self._with_scores(self._execute_packed(part, tables), part)
         self._write_sources(plan, tables)
         part, kept = decoder_part(plan, sources)
         if not kept:  # every row's tokens were source positions (a chunked source)
             return StepOutput(torch.empty((0, self.vocab_size), device=self.device))
         return self._with_scores(self._execute_packed(part, [tables[r] for r in kept]), part, kept)
 
-    def _with_scores(self, output: StepOutput, part: StepPlan, kept: list[int]) -> StepOutput:
+    def _with_scores(
+        self, output: StepOutput, part: StepPlan, kept: list[int] | None = None
+    ) -> StepOutput:
         """The step's output with its aligned rows' cross-attention scores, by the plan's row
-        index: [alignment heads, the row's decoder tokens, its source positions]."""
+        index (`kept`: the plan's row of each of `part`'s; None: the same rows): [alignment
+        heads, the row's decoder tokens, its source positions]."""
         scores, self._cross_scores = self._cross_scores, None
         if not part.aligns or scores is None:
             return output
         starts = part.token_starts()
         for row in part.aligns:
             layers = scores[starts[row]]
-            output.cross_attention[kept[row]] = torch.cat([layers[i] for i in sorted(layers)])
+            index = row if kept is None else kept[row]
+            output.cross_attention[index] = torch.cat([layers[i] for i in sorted(layers)])
         return output
 
     def _write_sources(self, plan: StepPlan, tables: list[list[int]]) -> None:
