@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from decoding.fusion import LMFusion
 from decoding.param_checks import (
     DecodingParamsError,
     check,
@@ -93,6 +94,7 @@ class DecodingParams:
     # decoder positions' cross-attention scores at the model's alignment heads over its first
     # this many source positions (Whisper's word times: a window's audio)
     cross_attention: int = 0
+    lm_fusion: LMFusion | None = None  # a second model's log-probs added every step (fusion.py)
 
     def __post_init__(self) -> None:
         # Normalise container types so equal requests compare equal (lists from JSON, str keys).
@@ -214,6 +216,10 @@ class DecodingParams:
         check_int(self.cross_attention, "cross_attention", low=0)
         if self.cross_attention and self.max_tokens:
             raise DecodingParamsError("cross_attention", "cross_attention needs max_tokens 0")
+        if self.lm_fusion is not None and self.prompt_logprobs is not None:
+            raise DecodingParamsError(  # the prompt is scored by the main model alone
+                "prompt_logprobs", "prompt logprobs cannot be combined with lm_fusion"
+            )
         if self.num_beam_groups > 1:
             if self.num_beams == 1:
                 raise DecodingParamsError(
@@ -302,6 +308,7 @@ def ranked_tokens(params: DecodingParams) -> int | None:
         or params.frequency_penalty != 0.0
         or bool(params.logit_bias)
         or params.allowed_token_ids is not None
+        or params.lm_fusion is not None  # a companion's scores may lift any token
     )
     if changes_values or params.num_beam_groups > 1:
         return None

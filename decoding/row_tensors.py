@@ -26,7 +26,7 @@ class RowRecord:
     """What one request's params give each of its rows, worked out once per request (a step that
     rebuilds its `RowTensors` reads these, not every row's params again)."""
 
-    beam: bool  # scored as log-probs (beam strategies)
+    beam: bool  # normalised to log-probs (beam strategies; a fused row's are log-probs already)
     drawn: bool  # draws a token at random (sample, best_of)
     min_keep: int  # HF's min_tokens_to_keep for the warpers
     logprobs: bool  # a non-beam row that asked for logprobs or rank samples (best_of)
@@ -41,7 +41,7 @@ class RowRecord:
         drawn = s in ("sample", "best_of")
         min_keep = len(p.finishing_ids(eos_ids)) + 1 if s == "beam_sample" else 1
         return cls(
-            beam=s in BEAM_STRATEGIES,
+            beam=s in BEAM_STRATEGIES and p.lm_fusion is None,
             drawn=drawn,
             min_keep=min_keep,
             logprobs=s not in BEAM_STRATEGIES and (p.logprobs is not None or s == "best_of"),

@@ -48,7 +48,8 @@ class SamplingTensors:
     num_rows: int
     processors: ProcessorTensors
     warpers: WarperTensors | None
-    beam_rows: torch.Tensor | None  # [B] long: rows scored as log-probs, None if there are none
+    beam_rows: torch.Tensor | None  # [B] long: beam rows log_softmax normalises (None: none; a
+    # fused row is a beam row whose scores are log-probs already: decoding/fusion.py)
     sample_rows: torch.Tensor | None  # [S] long: rows that draw a token at random
     sample_row_list: list[int]
     logprob_rows: list[int]  # non-beam rows that asked for logprobs or rank samples (best_of);

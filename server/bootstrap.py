@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from server.api.encoder_decoder import SourceModel
+from server.api.fusion_models import fusion_models
 from server.api.sampling_defaults import describe, read_sampling_defaults
 from server.api.serving import ServingContext
 from server.audio.speech_model import SpeechModel
@@ -17,11 +18,17 @@ from server.config import ServerConfig
 from server.device_defaults import with_device_defaults
 from server.engine.async_engine import AsyncEngine
 from server.engine.client import EngineClient
-from server.loading import check_tensor_parallel, freeze_start_up_objects, load_engine
+from server.loading import (
+    check_tensor_parallel,
+    freeze_start_up_objects,
+    load_engine,
+    with_extra_model_dirs,
+)
 from server.metrics import Metrics
 from server.model.architecture import check_servable
 from server.model.ct2_whisper import is_ct2_whisper
 from server.model.devices import pick_device
+from server.model.hub import ModelNotFound
 from server.model.loader import (
     default_cache_dir,
     loading_plan,
@@ -68,11 +75,18 @@ def prepare_model(config: ServerConfig) -> ServerConfig:
         check_tensor_parallel(config, located.path)
     name = config.served_model_name or located.name
     adapters = locate_adapters(config.lora_adapters(), name)
+    extra = {
+        n: locate_model(source, None, config.allow_pickle_weights).path
+        for n, source in config.extra_model_sources().items()
+    }
+    if name in extra:
+        raise ModelNotFound(f"extra model {name!r} has the served model's name: rename it")
     return config.model_copy(
         update={
             "model": str(located.path),
             "served_model_name": name,
             "lora_modules": [f"{n}={source}" for n, source in adapters.items()],
+            "extra_models": [f"{n}={path}" for n, path in extra.items()],
         }
     )
 
@@ -164,6 +178,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
     metrics = Metrics(name)
     started = time.monotonic()
     engine: EngineClient
+    config = with_extra_model_dirs(config)  # converts a GGUF once, here
     parallel = (config.tensor_parallel_size, config.data_parallel_size)
     if runs_engine_process(config.engine_process, device.type, *parallel):
         model_dir = resolve_model_dir(config.model, config.cache_dir)  # converts a GGUF once
@@ -202,6 +217,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         encoder_decoder=SourceModel.read(model_dir, tokenizer),
         speech=SpeechModel.read(model_dir, tokenizer),
         grammar_token_bytes=token_bytes_path(model_dir, config.cache_dir or default_cache_dir()),
+        fusion_models=fusion_models(config, model_dir, tokenizer),
     )
     if ctx.speech is not None:
         refuse_a_pool_without_a_window(ctx.engine, ctx.speech)

@@ -51,7 +51,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 # list keys whose flag takes several values at once (and may repeat), as vLLM's does
-SEVERAL_PER_FLAG = frozenset({"lora_modules"})
+SEVERAL_PER_FLAG = frozenset({"lora_modules", "extra_models"})
 
 
 def _add_config_flag(p: argparse._ActionsContainer, name: str, info: FieldInfo) -> None:

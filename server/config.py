@@ -20,12 +20,13 @@ from pydantic import (
 )
 
 from server.config_lora import LoRASettings, comma_list
+from server.config_models import ExtraModelSettings
 from server.config_parallel import ParallelSettings
 from server.model.devices import DType, Quantization
 from server.sizes import ByteSize, KVSize
 
 
-class ServerConfig(LoRASettings, ParallelSettings):
+class ServerConfig(ExtraModelSettings, LoRASettings, ParallelSettings):
     """Every setting of the server; each `description` is also its `beamline serve --help` text."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

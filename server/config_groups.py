@@ -13,6 +13,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "dtype",
         "quantization",
         "generation_config_defaults",
+        "extra_models",
     ),
     "server": ("host", "port", "playground", "drain_timeout"),
     "LoRA adapters": (

@@ -12,6 +12,17 @@ def comma_list(v: Any) -> Any:
     return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
 
 
+def named_sources(entries: list[str], key: str, what: str) -> dict[str, str]:
+    """`key`'s NAME=SOURCE entries as {name: source}; ValueError unless each is one and names
+    one `what` once."""
+    pairs = [tuple(p.strip() for p in e.split("=", 1)) for e in entries]
+    if not all(len(p) == 2 and all(p) for p in pairs):
+        raise ValueError(f"{key} entries are NAME=SOURCE, got {entries}")
+    if len({p[0] for p in pairs}) != len(pairs):
+        raise ValueError(f"{key} names each {what} once, got {entries}")
+    return dict(pairs)  # type: ignore[arg-type]  # pairs, checked above
+
+
 class LoRASettings(BaseModel):
     """The LoRA adapters' settings (a group of ServerConfig's keys)."""
 
@@ -50,12 +61,7 @@ class LoRASettings(BaseModel):
 
     def lora_adapters(self) -> dict[str, str]:
         """`lora_modules` as {name: source}."""
-        pairs = [tuple(p.strip() for p in e.split("=", 1)) for e in self.lora_modules]
-        if not all(len(p) == 2 and all(p) for p in pairs):
-            raise ValueError(f"lora_modules entries are NAME=SOURCE, got {self.lora_modules}")
-        if len({p[0] for p in pairs}) != len(pairs):
-            raise ValueError(f"lora_modules names each adapter once, got {self.lora_modules}")
-        return dict(pairs)  # type: ignore[arg-type]  # pairs, checked above
+        return named_sources(self.lora_modules, "lora_modules", "adapter")
 
     @property
     def lora_enabled(self) -> bool:

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from server.config import ServerConfig
 from server.device_defaults import with_device_defaults
 from server.engine.engine import Engine
+from server.engine.fusion import Companions
 from server.model.devices import pick_device
 from server.model.loader import default_cache_dir, resolve_model_dir
 from server.model.runner import ModelRunner
@@ -23,7 +24,7 @@ from server.model.weights import text_config
 from server.parallel.group import Rendezvous, TPGroup, rank_device
 from server.parallel.shard import check_tp_size
 from server.parallel.workers import TPWorkers
-from server.runner_setup import build_runner, set_threads
+from server.runner_setup import build_companions, build_runner, set_threads
 from server.tokenizer_cache import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     and in an engine process (which inherits the variable)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(config.model, config.cache_dir)
+    config = with_extra_model_dirs(config)
     device = pick_device(config.device)
     config = with_device_defaults(config, device.type)  # a no-op when `beamline serve` did it
     on_cpu = config.ranks_per_node * config.data_parallel_size if device.type == "cpu" else 1
@@ -79,13 +81,18 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     workers, group = start_tensor_parallel(config, device)
     device = group.device if group else device
     runner = build_runner(config, model_dir, device, group)
+    companions = build_companions(config, runner, device)
     tokenizer = load_tokenizer(model_dir, config.cache_dir or default_cache_dir())
+    max_model_len = config.max_model_len
+    if companions:  # a fused row runs through them too: within every model's context
+        lengths = [r.max_position_embeddings for r in (runner, *companions.values())]
+        max_model_len = min(max_model_len or min(lengths), min(lengths))
     engine = Engine(
         runner,
         tokenizer,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len,
+        max_model_len=max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         overlap_outputs=overlaps_outputs(config.overlap_outputs, device.type),
         # an encoder-decoder step covers sources the plan names: nothing runs ahead of it
@@ -93,6 +100,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         and not runner.encoder_decoder,
         speculative_tokens=config.num_speculative_tokens,
         max_cpu_loras=config.max_cpu_loras,
+        companions=Companions(companions),
     )
     for (
         name,
@@ -100,6 +108,13 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     ) in config.lora_adapters().items():  # lora.files.AdapterError says what is wrong
         engine.load_adapter(name, source)
     return LoadedEngine(engine, runner, tokenizer, model_dir, config, workers)
+
+
+def with_extra_model_dirs(config: ServerConfig) -> ServerConfig:
+    """`config` with each extra model's source a local directory (a GGUF file converted once)."""
+    sources = config.extra_model_sources()
+    dirs = {name: resolve_model_dir(source, config.cache_dir) for name, source in sources.items()}
+    return config.model_copy(update={"extra_models": [f"{n}={d}" for n, d in dirs.items()]})
 
 
 def start_tensor_parallel(

@@ -22,6 +22,7 @@ from server.model.devices import (
     resolve_torch_compile,
 )
 from server.model.kv_budget import KVBudget
+from server.model.kv_pool import KVLayout
 from server.model.loader import default_cache_dir
 from server.model.runner import ModelRunner
 from server.model.seq2seq.runner import Seq2SeqRunner
@@ -50,6 +51,7 @@ def build_runner(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
+            shared_bytes_per_block=extra_kv_bytes(config, dtype),
         ),
     )
     cache = config.cache_dir or default_cache_dir()
@@ -103,6 +105,54 @@ def build_runner(
         tp=tp,
         compile_while_serving=beside_serving,
     )
+
+
+def extra_kv_bytes(config: ServerConfig, dtype: torch.dtype) -> int:
+    """The KV bytes the extra models keep per block of the main model's pool: each has a pool of
+    as many blocks (engine/fusion.py), so one memory budget sizes them all."""
+    return sum(
+        KVLayout.of(text_config(Path(source)), config.block_size, dtype).bytes_per_block
+        for source in config.extra_model_sources().values()
+    )
+
+
+def build_companions(
+    config: ServerConfig, main: ModelRunner, device: torch.device
+) -> dict[str, ModelRunner]:
+    """The extra models, each on a KV pool of the main model's block count (its blocks' ids are
+    the main pool's: engine/fusion.py), eager, in the main model's dtype and int8 format.
+    ValueError for what cannot be fused yet: an encoder-decoder model on either side, tensor
+    parallelism, an automatic KV budget on a GPU (the extra models' weights load after it)."""
+    sources = config.extra_model_sources()
+    if not sources:
+        return {}
+    refused = {
+        "an encoder-decoder main model": main.encoder_decoder,
+        "tensor parallelism": main.tp is not None,
+        "kv_cache_memory auto on a GPU (set kv_cache_memory or num_kv_blocks)": device.type != "cpu"
+        and config.num_kv_blocks is None
+        and config.kv_cache_memory == "auto",
+    }
+    if reasons := [name for name, on in refused.items() if on]:
+        raise ValueError(f"extra_models do not run with {', '.join(reasons)} yet")
+    companions = {}
+    for name, source in sources.items():
+        if is_seq2seq(text_config(Path(source))):
+            raise ValueError(
+                f"extra model {name!r} is an encoder-decoder model: LM fusion needs a "
+                "decoder-only language model"
+            )
+        companions[name] = ModelRunner(
+            Path(source),
+            device=device,
+            dtype=main.dtype,
+            block_size=main.block_size,
+            num_blocks=main.num_blocks,
+            quantization=main.quantization,
+            linear_layout=config.linear_layout,
+        )
+        log.info("extra model %s loaded from %s", name, source)
+    return companions
 
 
 def compile_spec(config: ServerConfig, model_dir: Path, threads: int) -> str:

@@ -27,6 +27,7 @@ class StubRequest:
     returns_logprobs: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    companion: str | None = None  # no LM fusion
     adapter: object | None = None  # no LoRA adapter
     adapter_key: str | None = None
     lora_slot: int = NO_ADAPTER

@@ -96,7 +96,8 @@ def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
         "--log-format", "--grammar-cache-size", "--grammar-compile-timeout", "--playground",
         "--no-playground", "--responses-store-size", "--default-max-tokens", "--max-tokens-limit",
         "--generation-config-defaults", "--no-generation-config-defaults",
-        "--lora-modules", "--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank",
+        "--extra-models", "--lora-modules", "--enable-lora", "--no-enable-lora", "--max-loras",
+        "--max-lora-rank",
         "--max-cpu-loras", "--allow-runtime-lora-updating", "--no-allow-runtime-lora-updating",
     }  # fmt: skip
     dests = {a.dest for a in serve_parser()._actions} - {"help", "config"}
@@ -120,6 +121,16 @@ def test_flags_parse_to_the_config_keys() -> None:
 def test_a_bad_flag_stops_argparse(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         serve_parser().parse_args(argv)
+
+
+def test_extra_models_take_several_values_per_flag() -> None:
+    args = serve_parser().parse_args(
+        ["--extra-models", "lm=/x", "b=org/lm", "--extra-models", "c=/z"]
+    )
+    cfg = load_config(None, {"extra_models": args.extra_models}, environ={})
+    assert cfg.extra_model_sources() == {"lm": "/x", "b": "org/lm", "c": "/z"}
+    env = load_config(None, {}, environ={"BEAMLINE_EXTRA_MODELS": "a=/x,b=/y"})
+    assert env.extra_model_sources() == {"a": "/x", "b": "/y"}
 
 
 def test_lora_modules_take_several_values_per_flag_and_are_checked() -> None:

@@ -30,6 +30,8 @@ class ServingContext:
     encoder_decoder: SourceModel | None = None  # an encoder-decoder model's (None: decoder-only)
     speech: SpeechModel | None = None  # a speech model's (Whisper): the audio routes serve it
     grammar_token_bytes: Path | None = None  # where the grammar engine's vocabulary is kept
+    # the extra models requests may fuse (lm_fusion), each with why it cannot be (None: it can)
+    fusion_models: dict[str, str | None] = field(default_factory=dict)
     grammars: GrammarService = field(init=False)  # structured outputs' compiles and cache
 
     def __post_init__(self) -> None:

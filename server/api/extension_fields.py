@@ -174,6 +174,9 @@ FIELDS: tuple[ExtensionField, ...] = (
     _f("early_stopping", BOTH, WORKS, BL, "beam search stopping: true, false or \"never\"",
        "never"),
     _f("do_sample", BOTH, WORKS, BL, "sample (true) or not; with num_beams: beam sampling", False),
+    _f("lm_fusion", BOTH, WORKS, BL, "{model, weight, plausibility}: an extra model's log-probs "
+       "times weight added to the model's at every step, for every strategy (LM fusion; a "
+       "negative weight with plausibility: contrastive decoding)", {"model": "lm", "weight": 0.3}),
     _f("src_lang", COMPLETIONS, WORKS, BL, "translation models (NLLB, M2M100, mBART): the "
        "source's language code, its token put in the source as the tokenizer does", "fra_Latn"),
     _f("tgt_lang", COMPLETIONS, WORKS, BL, "translation models: the language to write, its "

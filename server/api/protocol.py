@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 from pydantic_core import PydanticCustomError
 
 from server.api.encoder_decoder import LanguageFields
+from server.api.fusion_models import LMFusionField
 from server.api.openai_model import NoEffectFields, OpenAIModel, TokenIds
 from server.api.vllm_fields import VLLMChatFields, VLLMCompletionFields
 
@@ -99,6 +100,7 @@ class SamplingFields(NoEffectFields):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     do_sample: bool | None = None
+    lm_fusion: LMFusionField | None = None  # a second model's scores in every step
 
     @property
     def include_usage(self) -> bool:

@@ -15,6 +15,7 @@ from decoding import DecodingParams, check_vocab, request_width
 from decoding.param_checks import parse_logit_bias
 from server.api.context import ServingContext
 from server.api.errors import bad_request
+from server.api.fusion_models import lm_fusion_params
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 
 Request = CompletionRequest | ChatCompletionRequest
@@ -42,6 +43,8 @@ CONVERTED_FIELDS: dict[str, str] = {
     "averages them, as generate() does)",
     "cross_attention": "not a request field: the audio routes' word timestamps read a window's "
     "cross-attention scores",
+    "lm_fusion": "an object {model, weight, plausibility} -> LMFusion; its model one of the "
+    "server's extra models with the served model's vocabulary",
 }
 PASSED_AS_IS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodingParams) if f.name not in CONVERTED_FIELDS
@@ -82,6 +85,7 @@ def decoding_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids else None,
+        lm_fusion=lm_fusion_params(ctx.fusion_models, req.lm_fusion),
     )
     check_vocab(params, ctx.vocab_size)
     _check_fits_kv_pool(ctx, params, prompt_len, max_tokens_param)

@@ -32,6 +32,7 @@ from server.engine.applying import ChoiceApplier
 from server.engine.block_pool import BlockPool
 from server.engine.client import UnknownAdapter
 from server.engine.endings import Endings
+from server.engine.fusion import Companions
 from server.engine.in_flight import InFlight
 from server.engine.inbox import Inbox, UnloadAdapter
 from server.engine.lora_service import EngineLoRA
@@ -67,6 +68,7 @@ class Engine:
         speculative_tokens: int = 0,
         async_scheduling: bool = False,
         max_cpu_loras: int | None = None,
+        companions: Companions | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -77,6 +79,7 @@ class Engine:
         drafts = Speculator(speculative_tokens, self.max_model_len).propose  # n-gram; 0: off
         # LoRA adapters (runner.lora: the model's slots): served names, slots, installs
         self.lora = EngineLoRA(runner.lora, max_cpu_loras) if runner.lora is not None else None
+        self.companions = companions or Companions({})  # LM fusion's models (fusion.py)
         self.scheduler = Scheduler(
             self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache,
             propose=drafts if speculative_tokens > 0 else None,
@@ -167,7 +170,8 @@ class Engine:
                 if self.lora is not None:
                     self.lora.registry.forget(item.key)
             elif isinstance(item, EngineRequest):
-                if item.adapter_name is not None and not self._admit_adapter(item):
+                if (refusal := self._refusal(item)) is not None:
+                    self.output.emit_end(item, "error", refusal)
                     continue
                 item.prepare(self.eos_token_ids, self.runner.device, self.max_model_len)
                 self.prompt_scoring.admit(item)
@@ -177,16 +181,13 @@ class Engine:
                 self._land()  # its tokens in flight first: a row ends with what it has
                 self.endings.end_request(req, "abort")
 
-    def _admit_adapter(self, request: EngineRequest) -> bool:
-        """Give `request` its adapter's weights; False (the request failed) when it cannot."""
-        name = request.adapter_name
-        error = self.lora.resolve(request) if self.lora else f"LoRA adapter {name!r} is not loaded"
-        if error is not None:
-            self.output.emit_end(request, "error", error)
-            return False
-        if self.recorder.metrics is not None and name is not None:
-            self.recorder.metrics.record_lora_request(name)
-        return True
+    def _refusal(self, request: EngineRequest) -> str | None:
+        """Why `request` cannot run here (its adapter or its fused model is not loaded), or None."""
+        if (name := request.adapter_name) is None:
+            return self.companions.refusal(request)
+        if self.lora is None:
+            return f"LoRA adapter {name!r} is not loaded"
+        return self.lora.resolve(request, self.recorder.metrics) or self.companions.refusal(request)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -218,7 +219,7 @@ class Engine:
             deferred = self._in_flight.inputs(schedule.items) if self._in_flight else None
             released = self.scheduler.take_released()
             plan = self.plans.build(schedule.items, schedule.copies, released, deferred)
-            output = self.runner.execute(plan)
+            output = self.companions.fuse(plan, schedule.items, self.runner.execute(plan))
             # Overlap: on a GPU the forward above is only queued; the previous step's tokens are
             # read and applied, and its text rendered, while it runs.
             if self._land() and deferred is not None:

@@ -53,7 +53,9 @@ class InFlight:
     @staticmethod
     def can_overlap(batch: VerifyBatch) -> bool:
         """Whether the next step can be planned without this step's token values."""
-        return not any(batch.drafts) and all(s.request.search is None for s in batch.rows)
+        return not any(batch.drafts) and all(
+            s.request.search is None and s.request.params.lm_fusion is None for s in batch.rows
+        )  # a fused row's next step needs its token to run its companion
 
     def inputs(self, items: list[WorkItem]) -> DeferredTokens | None:
         """Where the next step's items take their first token from this step's tokens."""

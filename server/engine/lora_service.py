@@ -22,9 +22,9 @@ class EngineLoRA:
         self.slots = AdapterSlots(lora.num_slots)
         self._published: tuple[list[str], list[str]] | None = None
 
-    def resolve(self, request: EngineRequest) -> str | None:
-        """Give `request` its adapter's weights; None, or why it cannot run (no such adapter,
-        or its files can no longer be read)."""
+    def resolve(self, request: EngineRequest, metrics: Metrics | None = None) -> str | None:
+        """Give `request` its adapter's weights (counted in `metrics`); None, or why it cannot
+        run (no such adapter, or its files can no longer be read)."""
         name = request.adapter_name
         assert name is not None
         try:
@@ -33,6 +33,8 @@ class EngineLoRA:
             return f"LoRA adapter {name!r} is not loaded"
         except AdapterError as exc:
             return str(exc)
+        if metrics is not None:
+            metrics.record_lora_request(name)
         return None
 
     def take_installs(

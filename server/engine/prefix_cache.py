@@ -30,14 +30,16 @@ def root_hash(
     adapter_key: str | None = None,
     source: Tokens[int] = (),
     exact: bool = False,
+    companion: str | None = None,
 ) -> bytes:
     """The parent of a sequence's first block: ROOT_HASH (no salt, the base model), or the
     hash of its request's salt, adapter, source and precision. An encoder-decoder row's first
     blocks are its source's cross-attention keys and values, and the encoder reads the source
     both ways: a block is the same only under the same whole source, not the same leading
     tokens. A prompt that scores runs at full precision under an int8 format: its blocks are
-    not another request's."""
-    if cache_salt is None and adapter_key is None and not source and not exact:
+    not another request's. A fused request's blocks hold its `companion` model's keys and values
+    too (engine/fusion.py): they are shared only with requests fused with the same companion."""
+    if cache_salt is None and adapter_key is None and not source and not exact and not companion:
         return ROOT_HASH
     parts = b"\x00exact" if exact else b""
     if cache_salt is not None:
@@ -46,6 +48,8 @@ def root_hash(
         parts += b"\x00lora:%d:" % len(adapter_key) + adapter_key.encode()
     if source:
         parts += b"\x00source:%d:" % len(source) + array("q", source).tobytes()
+    if companion is not None:
+        parts += b"\x00lm_fusion:%d:" % len(companion) + companion.encode()
     return hashlib.sha256(parts).digest()
 
 
@@ -73,6 +77,7 @@ class PrefixCache:
                     req.adapter_key,
                     req.prompt_ids[: req.source_len] if req.source_len else (),
                     req.scores_prompt,
+                    req.companion,
                 )
             )
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))

@@ -290,6 +290,13 @@ class EngineRequest:
         return self.adapter.key if self.adapter is not None else None
 
     @property
+    def companion(self) -> str | None:
+        """The model fused into its steps (lm_fusion): its rows' blocks hold that model's keys and
+        values too, shared in the prefix cache only under the same companion."""
+        fusion = self.params.lm_fusion
+        return fusion.model if fusion is not None else None
+
+    @property
     def scores_prompt(self) -> bool:
         """It asks for its prompt's logprobs: its prompt runs at full precision under an int8
         format (model/exact_weights.py), and shares prefix-cache blocks only with such requests."""

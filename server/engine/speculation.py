@@ -68,7 +68,7 @@ class Speculator:
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a row about to decode one token, at most `room` (the step's budget)."""
         req = seq.request
-        if req.search is not None:
+        if req.search is not None or req.params.lm_fusion is not None:  # its companion: no drafts
             return []
         state = seq.drafts
         if state is None:

@@ -56,6 +56,9 @@ class KVBudget:
     max_num_seqs: int = 64  # rows of one step: the LM head and the sampler run on these
     max_num_batched_tokens: int = 512  # tokens of one step
     max_model_len: int | None = None  # None: the model's own context length
+    # the KV bytes other models keep per block of this pool (LM fusion's companions hold the
+    # same block ids in pools of their own: engine/fusion.py)
+    shared_bytes_per_block: int = 0
 
 
 @dataclass(frozen=True)

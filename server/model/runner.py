@@ -140,7 +140,7 @@ class ModelRunner:
         self.num_blocks = plan_num_blocks(
             self.kv_budget,
             num_blocks=num_blocks,
-            bytes_per_block=self.kv_layout.bytes_per_block,
+            bytes_per_block=self.kv_layout.bytes_per_block + self.kv_budget.shared_bytes_per_block,
             block_size=block_size,
             device=device,
             max_model_len=self.kv_budget.max_model_len or self.max_position_embeddings,

@@ -1,0 +1,32 @@
+"""The extra models' setting (a group of ServerConfig's keys): models served beside the main one."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from server.config_lora import comma_list, named_sources
+
+
+class ExtraModelSettings(BaseModel):
+    """Models loaded beside the main one (a group of ServerConfig's keys)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    extra_models: list[str] = Field(
+        default_factory=list,
+        description="another model loaded beside the main one, NAME=SOURCE (a directory, .gguf "
+        "file or hub id, resolved like --model): a decoder-only language model that requests "
+        "fuse into their steps with lm_fusion (it must share the main model's vocabulary); its "
+        "KV cache has as many blocks as the main model's, within the same memory budget",
+    )
+
+    _model_list = field_validator("extra_models", mode="before")(comma_list)
+
+    @model_validator(mode="after")
+    def _extra_model_settings(self) -> ExtraModelSettings:
+        self.extra_model_sources()  # NAME=SOURCE, each name once
+        return self
+
+    def extra_model_sources(self) -> dict[str, str]:
+        """`extra_models` as {name: source}."""
+        return named_sources(self.extra_models, "extra_models", "model")

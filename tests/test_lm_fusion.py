@@ -1,0 +1,255 @@
+"""LM fusion in the continuous batch (engine level): a second tiny Llama with the same vocabulary
+fused into every step, token-exact against transformers' `generate()` given a logits processor
+that implements fairseq's formula (`log_softmax(main) + weight * log_softmax(lm)`, applied to
+generate()'s scores: raw logits for greedy and sampling, log-probs for beams, as fairseq's
+beams accumulate them); contrastive decoding against a reference loop; fused rows mixed with
+plain ones; the companion's KV blocks (the main pool's ids) freed with the request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+
+from decoding import DecodingParams
+from decoding.fusion import LMFusion, fuse_logits
+from server.engine.engine import Engine
+from server.engine.fusion import Companions, plan_rows
+from server.model.runner import ModelRunner
+from server.step_plan import StepPlan, TableEdit
+from tests.conftest import TEST_DEVICE
+from tests.engine_driver import run_to_completion, submit
+from tests.tiny_models import build_tiny_model
+
+PROMPTS = [[1, 45, 97, 20], [1, 300, 12], [1, 7, 7, 7, 8, 9, 100, 200, 33]]
+BLOCKS = 128
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("fusion")
+    return build_tiny_model(root / "main", "llama", seed=0), build_tiny_model(
+        root / "lm", "llama", seed=1
+    )
+
+
+def runner(model_dir: Path) -> ModelRunner:
+    return ModelRunner(
+        model_dir,
+        device=TEST_DEVICE,
+        dtype=torch.float32,
+        block_size=4,
+        num_blocks=BLOCKS,
+        linear_layout="native",
+    )
+
+
+@pytest.fixture
+def engine(model_dirs: tuple[Path, Path]) -> Engine:
+    main, lm = model_dirs
+    return Engine(
+        runner(main),
+        AutoTokenizer.from_pretrained(main),
+        max_num_seqs=32,
+        max_num_batched_tokens=16,  # prompts split over steps: the companion follows
+        companions=Companions({"lm": runner(lm)}),
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_models(model_dirs: tuple[Path, Path]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return tuple(  # type: ignore[return-value]
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in model_dirs
+    )
+
+
+class FusedScores(LogitsProcessor):
+    """fairseq's LM fusion as a generate() processor: the scores' log_softmax (a no-op on beam
+    search's log-probs) plus `weight` times the LM's log-probs after the same tokens; with
+    `plausibility`, tokens below that times the best main-model probability are banned."""
+
+    def __init__(self, lm: torch.nn.Module, weight: float, plausibility: float = 0.0) -> None:
+        self.lm, self.weight, self.plausibility = lm, weight, plausibility
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        lm = self.lm(input_ids).logits[:, -1, :].float().log_softmax(dim=-1)
+        main = scores.log_softmax(dim=-1)
+        fused = main + self.weight * lm
+        if self.plausibility:
+            floor = main.max(dim=-1, keepdim=True).values + torch.tensor(self.plausibility).log()
+            fused = fused.masked_fill(main < floor, float("-inf"))
+        return fused
+
+
+def reference(
+    hf: tuple[torch.nn.Module, torch.nn.Module], prompt: list[int], fusion: LMFusion, **kw: object
+) -> list[list[int]]:
+    main, lm = hf
+    ids = torch.tensor([prompt])
+    out = main.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        logits_processor=LogitsProcessorList([FusedScores(lm, fusion.weight)]),
+        do_sample=False,
+        pad_token_id=0,
+        **kw,
+    )
+    eos = main.generation_config.eos_token_id
+    rows = out[:, len(prompt) :].tolist()
+    return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
+
+
+def run(engine: Engine, prompt: list[int], params: DecodingParams) -> list[list[int]]:
+    got = submit(engine, "r", prompt, params)
+    run_to_completion(engine)
+    return [tokens for _, tokens, _ in got.choices().values()]
+
+
+@pytest.mark.parametrize("weight", [0.5, 1.0, -0.3])
+def test_fused_greedy_matches_generate(engine: Engine, hf_models, weight: float) -> None:
+    fusion = LMFusion("lm", weight)
+    changed = 0
+    for prompt in PROMPTS:
+        params = DecodingParams(max_tokens=12, temperature=0.0, lm_fusion=fusion)
+        fused = run(engine, prompt, params)
+        assert fused == reference(hf_models, prompt, fusion, max_new_tokens=12)
+        changed += fused != run(engine, prompt, DecodingParams(max_tokens=12, temperature=0.0))
+    assert changed  # the companion changed what greedy chose
+    assert engine.pool.num_free == engine.pool.num_blocks  # the companion's ids are the pool's
+
+
+@pytest.mark.parametrize(("num_beams", "length_penalty"), [(2, 1.0), (3, 0.6), (4, 1.5)])
+def test_fused_beam_search_matches_generate(
+    engine: Engine, hf_models, num_beams: int, length_penalty: float
+) -> None:
+    """Beam scores accumulate the fused scores unnormalised, as fairseq's do."""
+    fusion = LMFusion("lm", 0.7)
+    for prompt in PROMPTS[:2]:
+        params = DecodingParams(
+            max_tokens=8,
+            num_beams=num_beams,
+            n=num_beams,
+            length_penalty=length_penalty,
+            lm_fusion=fusion,
+        )
+        expected = reference(
+            hf_models,
+            prompt,
+            fusion,
+            max_new_tokens=8,
+            num_beams=num_beams,
+            num_return_sequences=num_beams,
+            length_penalty=length_penalty,
+        )
+        assert run(engine, prompt, params) == expected
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_fused_sampling_draws_from_the_fused_warped_distribution(engine: Engine, hf_models) -> None:
+    """A seeded fused request repeats itself, and every token it drew lies in the support of
+    generate()'s fused, then warped scores after the same prefix (temperature, top-k): the
+    processor first, as the engine fuses before it processes anything."""
+    main, lm = hf_models
+    fusion = LMFusion("lm", 0.8)
+    params = DecodingParams(max_tokens=10, temperature=0.7, top_k=5, seed=3, lm_fusion=fusion)
+    prompt = PROMPTS[0]
+    first, again = run(engine, prompt, params)[0], run(engine, prompt, params)[0]
+    assert first == again
+    processors = LogitsProcessorList(
+        [FusedScores(lm, 0.8), TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)]
+    )
+    plain = run(engine, prompt, DecodingParams(max_tokens=10, temperature=0.7, top_k=5, seed=3))
+    assert plain[0] != first  # the companion changed what was drawn
+    with torch.no_grad():
+        for i, token in enumerate(first):
+            ids = torch.tensor([prompt + first[:i]])
+            scores = processors(ids, main(ids).logits[:, -1, :])
+            assert torch.isfinite(scores[0, token]), f"token {i} outside the fused top-k"
+
+
+def test_contrastive_decoding_matches_a_reference_loop(engine: Engine, hf_models) -> None:
+    """weight -1 with plausibility 0.1: expert minus amateur among the expert's plausible tokens
+    (Li et al., 2023), greedy."""
+    main, lm = hf_models
+    fusion = LMFusion("lm", -1.0, plausibility=0.1)
+    for prompt in PROMPTS:
+        ids = list(prompt)
+        step = FusedScores(lm, -1.0, plausibility=0.1)
+        with torch.no_grad():
+            for _ in range(10):
+                x = torch.tensor([ids])
+                ids.append(int(step(x, main(x).logits[:, -1, :]).argmax()))
+        params = DecodingParams(max_tokens=10, temperature=0.0, ignore_eos=True, lm_fusion=fusion)
+        assert run(engine, prompt, params) == [ids[len(prompt) :]]
+
+
+def test_fused_rows_mixed_with_plain_ones_equal_their_solo_runs(engine: Engine) -> None:
+    """Plain, fused (two weights), fused beams, plain beams, a fused row with an allow-list and
+    n fused samples in one busy batch: each equals its own run alone; every block comes back."""
+    allowed = tuple(range(0, 400, 3))
+    cases = [
+        DecodingParams(max_tokens=9, temperature=0.0),
+        DecodingParams(max_tokens=9, temperature=0.0, lm_fusion=LMFusion("lm", 0.5)),
+        DecodingParams(max_tokens=7, temperature=0.0, lm_fusion=LMFusion("lm", 2.0)),
+        DecodingParams(max_tokens=6, num_beams=3, n=2, lm_fusion=LMFusion("lm", 0.6)),
+        DecodingParams(max_tokens=6, num_beams=2),
+        DecodingParams(
+            max_tokens=8, temperature=0.0, allowed_token_ids=allowed, lm_fusion=LMFusion("lm", 1)
+        ),
+        DecodingParams(max_tokens=8, n=3, seed=5, lm_fusion=LMFusion("lm", 0.4, 0.05)),
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(cases))]
+    solo = [run(engine, p, params) for p, params in zip(prompts, cases)]
+    together = [submit(engine, str(i), p, c) for i, (p, c) in enumerate(zip(prompts, cases))]
+    run_to_completion(engine)
+    assert [[t for _, t, _ in got.choices().values()] for got in together] == solo
+    assert all(t in allowed for t in solo[5][0])
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_an_unknown_companion_fails_its_request_alone(engine: Engine) -> None:
+    bad = submit(engine, "bad", PROMPTS[0], DecodingParams(lm_fusion=LMFusion("nope", 1.0)))
+    good = submit(engine, "good", PROMPTS[0], DecodingParams(max_tokens=4, temperature=0.0))
+    run_to_completion(engine)
+    assert bad.finish_reason == "error" and "'nope' is not loaded" in bad.outputs[-1].error
+    assert good.finish_reason == "length" and len(good.token_ids) == 4
+
+
+def test_fuse_logits_adds_weighted_log_probs_and_bans_implausible_tokens() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -3.0], [0.0, 0.0, 0.0, 0.0]])
+    lm = torch.tensor([[0.0, 3.0, 0.0, 0.0]])
+    out = fuse_logits(logits, torch.tensor([0]), lm, torch.tensor([[-1.0]]), torch.tensor([[0.3]]))
+    main = logits[0].log_softmax(-1)
+    expected = main - lm[0].log_softmax(-1)
+    keep = main.exp() >= 0.3 * main.exp().max()
+    assert keep.tolist() == [True, True, False, False]
+    torch.testing.assert_close(out[0], expected.masked_fill(~keep, float("-inf")))
+    assert torch.equal(out[1], logits[1])  # other rows as they were
+
+
+def test_plan_rows_keeps_the_rows_tokens_and_edits() -> None:
+    plan = StepPlan(
+        row_ids=[10, 11, 12],
+        starts=[0, 5, 3],
+        num_new=[3, 1, 2],
+        num_drafts=[0, 0, 0],
+        samples=[False, True, True],
+        tokens=[1, 2, 3, 4, 5, 6],
+        table_edits=[TableEdit(0, 0, [7]), TableEdit(2, 0, [8, 9])],
+        released=[4],
+        copies=[(1, 2)],
+    )
+    part = plan_rows(plan, [0, 2])
+    assert (part.row_ids, part.tokens, part.samples) == ([10, 12], [1, 2, 3, 5, 6], [False, True])
+    assert part.table_edits == [TableEdit(0, 0, [7]), TableEdit(1, 0, [8, 9])]
+    assert (part.released, part.copies) == ([4], [(1, 2)])
