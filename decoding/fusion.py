@@ -42,22 +42,21 @@ class LMFusion:
             )
 
 
-def fuse_logits(
+def fuse_logits_(
     logits: torch.Tensor,
     rows: torch.Tensor,
     companion: torch.Tensor,
     weights: torch.Tensor,
     plausibility: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`logits` [R, V] with rows `rows` [F] replaced by `log_softmax(logits) + weights *
-    log_softmax(companion)` (`companion` [F, V], `weights` [F, 1]); where `plausibility` [F, 1] is
-    given, tokens whose main-model probability is below it times the row's best are -inf. A new
-    float32 tensor; `logits` is left as it is."""
-    fused = logits.float().clone()
-    main = fused.index_select(0, rows).log_softmax(dim=-1)
-    scores = main + weights * companion.float().log_softmax(dim=-1)
+    """Rows `rows` [F] of the float32 `logits` [R, V] replaced, in place, by `log_softmax(logits)
+    + weights * log_softmax(companion)` (`companion` [F, V], `weights` [F, 1]); where
+    `plausibility` [F, 1] is given, tokens whose main-model probability is below it times the
+    row's best are -inf. Returns `logits`."""
+    main = logits.index_select(0, rows).log_softmax(dim=-1)
+    scores = main.clone() if plausibility is not None else main
+    scores.addcmul_(weights, companion.float().log_softmax(dim=-1))
     if plausibility is not None:
         floor = main.max(dim=-1, keepdim=True).values + plausibility.log()  # log(0): no floor
         scores.masked_fill_(main < floor, float("-inf"))
-    fused.index_copy_(0, rows, scores)
-    return fused
+    return logits.index_copy_(0, rows, scores)

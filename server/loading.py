@@ -100,7 +100,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         and not runner.encoder_decoder,
         speculative_tokens=config.num_speculative_tokens,
         max_cpu_loras=config.max_cpu_loras,
-        companions=Companions(companions),
+        companions=Companions(companions, runner.vocab_size),
     )
     for (
         name,

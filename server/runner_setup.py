@@ -26,6 +26,7 @@ from server.model.kv_pool import KVLayout
 from server.model.loader import default_cache_dir
 from server.model.runner import ModelRunner
 from server.model.seq2seq.runner import Seq2SeqRunner
+from server.model.seq2seq.target_lm import TargetLM
 from server.model.weights import text_config
 from server.parallel.group import TPGroup
 
@@ -121,13 +122,13 @@ def build_companions(
 ) -> dict[str, ModelRunner]:
     """The extra models, each on a KV pool of the main model's block count (its blocks' ids are
     the main pool's: engine/fusion.py), eager, in the main model's dtype and int8 format.
-    ValueError for what cannot be fused yet: an encoder-decoder model on either side, tensor
-    parallelism, an automatic KV budget on a GPU (the extra models' weights load after it)."""
+    An encoder-decoder served model's companions run its rows' decoder tokens (TargetLM).
+    ValueError for what cannot be fused yet: an encoder-decoder extra model, tensor parallelism,
+    an automatic KV budget on a GPU (the extra models' weights load after it)."""
     sources = config.extra_model_sources()
     if not sources:
         return {}
     refused = {
-        "an encoder-decoder main model": main.encoder_decoder,
         "tensor parallelism": main.tp is not None,
         "kv_cache_memory auto on a GPU (set kv_cache_memory or num_kv_blocks)": device.type != "cpu"
         and config.num_kv_blocks is None
@@ -142,7 +143,8 @@ def build_companions(
                 f"extra model {name!r} is an encoder-decoder model: LM fusion needs a "
                 "decoder-only language model"
             )
-        companions[name] = ModelRunner(
+        kind = TargetLM if main.encoder_decoder else ModelRunner  # its rows: a source first
+        companions[name] = kind(
             Path(source),
             device=device,
             dtype=main.dtype,

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
     AutoTokenizer,
     LogitsProcessor,
     LogitsProcessorList,
@@ -21,14 +23,18 @@ from transformers import (
 )
 
 from decoding import DecodingParams
-from decoding.fusion import LMFusion, fuse_logits
+from decoding.fusion import LMFusion, fuse_logits_
+from server.api.encoder_decoder import SourceModel
 from server.engine.engine import Engine
 from server.engine.fusion import Companions, plan_rows
 from server.model.runner import ModelRunner
+from server.model.seq2seq.runner import Seq2SeqRunner
+from server.model.seq2seq.target_lm import TargetLM
 from server.step_plan import StepPlan, TableEdit
 from tests.conftest import TEST_DEVICE
 from tests.engine_driver import run_to_completion, submit
 from tests.tiny_models import build_tiny_model
+from tests.tiny_seq2seq import build_tiny_seq2seq
 
 PROMPTS = [[1, 45, 97, 20], [1, 300, 12], [1, 7, 7, 7, 8, 9, 100, 200, 33]]
 BLOCKS = 128
@@ -225,10 +231,102 @@ def test_an_unknown_companion_fails_its_request_alone(engine: Engine) -> None:
     assert good.finish_reason == "length" and len(good.token_ids) == 4
 
 
+# ---- a translation model with a target-side LM (fairseq's use) -----------------------------------
+TARGET_LMS = {  # RoPE positions (shift-invariant), and learned absolute ones
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    ),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
+}
+
+
+@pytest.fixture(scope="module")
+def marian_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Marian and tiny random target-side LMs over its vocabulary."""
+    root = tmp_path_factory.mktemp("fusion_marian")
+    dirs = {"marian": build_tiny_seq2seq(root / "marian", "marian")}
+    vocab = AutoConfig.from_pretrained(dirs["marian"]).vocab_size
+    for arch, shape in TARGET_LMS.items():
+        config = AutoConfig.for_model(
+            arch,
+            vocab_size=vocab,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=True,
+            **shape,
+        )
+        torch.manual_seed(2)
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for p in lm.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.3)
+        lm.save_pretrained(root / arch)
+        dirs[arch] = root / arch
+    return dirs
+
+
+@pytest.mark.parametrize("arch", sorted(TARGET_LMS))
+@pytest.mark.parametrize(("num_beams", "weight"), [(1, 0.8), (3, 0.6), (4, -0.4)])
+def test_a_translation_model_fuses_its_target_lm_as_generate(
+    marian_dirs: dict[str, Path], arch: str, num_beams: int, weight: float
+) -> None:
+    """The LM reads what generate() feeds the decoder (its start token, then the output) and
+    runs on the translation model's block ids, its positions counted from the decoder's start."""
+    marian, lm_dir = marian_dirs["marian"], marian_dirs[arch]
+    options: dict = dict(device=TEST_DEVICE, dtype=torch.float32, block_size=4, num_blocks=256)
+    main = Seq2SeqRunner(marian, **options)
+    tokenizer = AutoTokenizer.from_pretrained(marian)
+    engine = Engine(
+        main,
+        tokenizer,
+        max_num_batched_tokens=16,  # sources split over steps: the LM skips their positions
+        companions=Companions({"lm": TargetLM(lm_dir, linear_layout="native", **options)}),
+    )
+    source_model = SourceModel.read(marian, tokenizer)
+    assert source_model is not None
+    model = AutoModelForSeq2SeqLM.from_pretrained(marian).eval()
+    lm = AutoModelForCausalLM.from_pretrained(lm_dir).eval()
+    texts = ["The quick brown fox jumps over the lazy dog.", "Hello world!", "Beam search"]
+    fusion = LMFusion("lm", weight)
+    params = DecodingParams(
+        max_tokens=8, temperature=0, num_beams=num_beams, n=num_beams, lm_fusion=fusion
+    )
+    sources = [tokenizer(text).input_ids for text in texts]
+    got = [
+        submit(engine, str(i), source_model.job_prompt(s), params, source_len=len(s))
+        for i, s in enumerate(sources)
+    ]
+    run_to_completion(engine)
+    eos = model.generation_config.eos_token_id
+    for source, result in zip(sources, got):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([source]),
+                do_sample=False,
+                max_new_tokens=8,
+                num_beams=num_beams,
+                num_return_sequences=num_beams,
+                logits_processor=LogitsProcessorList([FusedScores(lm, weight)]),
+            )
+        expected = [r[1:] for r in out.tolist()]
+        expected = [r[: r.index(eos) + 1] if eos in r else r for r in expected]
+        assert [tokens for _, tokens, _ in result.choices().values()] == expected
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
 def test_fuse_logits_adds_weighted_log_probs_and_bans_implausible_tokens() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -3.0], [0.0, 0.0, 0.0, 0.0]])
     lm = torch.tensor([[0.0, 3.0, 0.0, 0.0]])
-    out = fuse_logits(logits, torch.tensor([0]), lm, torch.tensor([[-1.0]]), torch.tensor([[0.3]]))
+    out = fuse_logits_(
+        logits.clone(), torch.tensor([0]), lm, torch.tensor([[-1.0]]), torch.tensor([[0.3]])
+    )
     main = logits[0].log_softmax(-1)
     expected = main - lm[0].log_softmax(-1)
     keep = main.exp() >= 0.3 * main.exp().max()

@@ -227,3 +227,58 @@ async def test_an_engine_process_loads_the_extra_models_too(dirs: dict[str, Path
         assert got.json()["choices"][0]["token_ids"] == fused_reference(dirs, 0.9, 8)
     finally:
         ctx.engine.shutdown()
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+async def test_structured_outputs_constrain_the_fused_scores(
+    client: httpx.AsyncClient, num_beams: int
+) -> None:
+    choices = ["quick brown fox", "lazy dog", "hello world"]
+    got = await client.post(
+        "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "The",
+            "max_tokens": 16,
+            "num_beams": num_beams,
+            "structured_outputs": {"choice": choices},
+            "lm_fusion": {"model": "lm", "weight": 1.5},
+        },
+    )
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] in choices
+
+
+async def test_a_translation_server_fuses_its_target_lm(dirs: dict[str, Path]) -> None:
+    """Over HTTP too: a Marian served with a target-side LM (its tokenizer beside it) fuses it
+    into beam search; an LM whose tokenizer cannot be read is named unusable, not fatal."""
+    root = dirs["root"]
+    marian = build_tiny_seq2seq(root / "mt", "marian")
+    lm_dir = build_tiny_model(root / "mt-lm", "llama", seed=3)  # then given Marian's vocabulary
+    lm = AutoModelForCausalLM.from_pretrained(lm_dir)
+    lm.resize_token_embeddings(AutoTokenizer.from_pretrained(marian).vocab_size)
+    lm.save_pretrained(lm_dir)
+    AutoTokenizer.from_pretrained(marian).save_pretrained(lm_dir)
+    bare = root / "mt-lm-bare"  # the same weights, no tokenizer files
+    lm.save_pretrained(bare)
+    config = settings(dirs, model=str(marian), extra_models=[f"lm={lm_dir}", f"bare={bare}"])
+    ctx = build_serving_context(config)
+    try:
+        assert ctx.fusion_models["lm"] is None and "could not be read" in str(
+            ctx.fusion_models["bare"]
+        )
+        transport = httpx.ASGITransport(app=create_app(ctx=ctx))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {"model": "tiny", "prompt": "Hello world!", "max_tokens": 6, "num_beams": 3}
+            plain = await client.post("/v1/completions", json=body)
+            fused = await client.post(
+                "/v1/completions", json=body | {"lm_fusion": {"model": "lm", "weight": 2.0}}
+            )
+            bad = await client.post(
+                "/v1/completions", json=body | {"lm_fusion": {"model": "bare", "weight": 1.0}}
+            )
+        assert plain.status_code == fused.status_code == 200, fused.text
+        assert fused.json()["choices"][0]["text"] != plain.json()["choices"][0]["text"]
+        assert_openai_error(bad, 400, "lm_fusion.model", "vocabulary_mismatch")
+    finally:
+        ctx.engine.shutdown()

@@ -42,7 +42,11 @@ def fusion_models(
         if other != size:
             models[name] = f"its vocabulary has {other} tokens and the served model's {size}"
             continue
-        theirs = load_tokenizer(Path(source), config.cache_dir or default_cache_dir())
+        try:
+            theirs = load_tokenizer(Path(source), config.cache_dir or default_cache_dir())
+        except Exception as exc:  # noqa: BLE001 - any reader's error: it cannot be compared
+            models[name] = f"its tokenizer could not be read ({type(exc).__name__}: {exc})"
+            continue
         same = theirs.get_vocab() == vocabulary
         models[name] = None if same else "its tokenizer gives other ids to the same tokens"
     return models

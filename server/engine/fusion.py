@@ -24,7 +24,7 @@ from typing import cast
 
 import torch
 
-from decoding.fusion import LMFusion, fuse_logits
+from decoding.fusion import LMFusion, fuse_logits_
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest
 from server.engine.work import WorkItem
@@ -34,8 +34,8 @@ from server.step_plan import StepOutput, StepPlan, TableEdit
 
 def plan_rows(plan: StepPlan, rows: list[int]) -> StepPlan:
     """The part of `plan` that runs `rows` (indices into its rows) for a model that runs those
-    alone: their columns, tokens and table edits, every release and block copy; nothing scored,
-    no adapters, no sources (fused rows are a decoder-only model's, never deferred)."""
+    alone: their columns, tokens, table edits and source lengths, every release and block copy;
+    nothing scored or encoded, no adapters (fused rows are never deferred)."""
     if plan.deferred is not None and set(plan.deferred.rows) & set(rows):
         raise RuntimeError("a fused row's input token was left on the device")
     index = {r: i for i, r in enumerate(rows)}
@@ -52,22 +52,36 @@ def plan_rows(plan: StepPlan, rows: list[int]) -> StepPlan:
         ],
         released=plan.released,
         copies=plan.copies,
+        source_lens=None if plan.source_lens is None else [plan.source_lens[r] for r in rows],
+        # a request's rows are all fused or none: its first row is among `rows`
+        source_groups=[index[plan.source_groups[r]] for r in rows] if plan.source_groups else [],
     )
 
 
 class Companions:
     """The companion models by name, and what a step runs through them."""
 
-    def __init__(self, runners: Mapping[str, ModelRunner]) -> None:
+    def __init__(self, runners: Mapping[str, ModelRunner], vocab_size: int = 0) -> None:
         self.runners = dict(runners)
+        self.vocab_size = vocab_size  # the main model's scores per token (0: not checked)
 
     def refusal(self, request: EngineRequest) -> str | None:
-        """Why `request` cannot run here (its companion is not loaded), or None."""
+        """Why `request` cannot run here (its companion is not loaded, or scores another
+        vocabulary), or None."""
         fusion = request.params.lm_fusion
-        if fusion is None or fusion.model in self.runners:
+        if fusion is None:
             return None
-        return f"lm_fusion: model {fusion.model!r} is not loaded on this server"
+        runner = self.runners.get(fusion.model)
+        if runner is None:
+            return f"lm_fusion: model {fusion.model!r} is not loaded on this server"
+        if self.vocab_size and runner.vocab_size != self.vocab_size:
+            return (
+                f"lm_fusion: model {fusion.model!r} scores {runner.vocab_size} tokens and the "
+                f"served model {self.vocab_size}"
+            )
+        return None
 
+    @torch.inference_mode()  # the logits are inference tensors: fused in place
     def fuse(self, plan: StepPlan, items: list[WorkItem], output: StepOutput) -> StepOutput:
         """Run each companion on its fused rows of `plan` (the rows of `items`) and return
         `output` with those rows' logits fused; releases reach every companion."""
@@ -96,7 +110,6 @@ class Companions:
         weights = to_device([f.weight for f in fusions], device, torch.float32).unsqueeze(1)
         alphas = [f.plausibility for f in fusions]
         floor = to_device(alphas, device, torch.float32).unsqueeze(1) if any(alphas) else None
-        logits = fuse_logits(
-            output.logits, to_device(rows, device, torch.long), torch.cat(parts), weights, floor
-        )
+        logits = output.logits.clone() if output.reused else output.logits  # a graph's buffer
+        fuse_logits_(logits, to_device(rows, device, torch.long), torch.cat(parts), weights, floor)
         return dataclasses.replace(output, logits=logits, reused=False)

@@ -36,7 +36,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -104,9 +104,8 @@ class Seq2SeqRunner(ModelRunner):
         position_ids: torch.Tensor,
         ctx: StepContext | DecodeStep | PagedStep,
     ) -> torch.Tensor:
-        if not isinstance(ctx, StepContext) or ctx.source_lens is None:  # see _execute
-            raise RuntimeError("encoder-decoder steps run packed, on the gather path")
-        relative = position_ids - ctx.source_lens.view(1, -1)  # from the decoder's first token
+        relative = decoder_positions(position_ids, ctx)
+        ctx = cast(StepContext, ctx)  # decoder_positions checked it
         self._cross_scores = ctx.cross_scores
         step = ctx.decode
         if self.compiled is not None and not ctx.prefill and step is not None and fits(step):
@@ -196,6 +195,17 @@ class Seq2SeqRunner(ModelRunner):
             if stop == len(encode.source):
                 del self._encoded[row_id]
         self.parts.write_sources(self.kv_cache, parts, torch.cat(where).to(self.device))
+
+
+def decoder_positions(
+    position_ids: torch.Tensor, ctx: StepContext | DecodeStep | PagedStep
+) -> torch.Tensor:
+    """Each token's position counted from its row's decoder's first token (the row's source
+    positions come first in the pool); a step must run packed on the gather path, where the
+    context knows each token's source (`_execute`)."""
+    if not isinstance(ctx, StepContext) or ctx.source_lens is None:
+        raise RuntimeError("encoder-decoder steps run packed, on the gather path")
+    return position_ids - ctx.source_lens.view(1, -1)
 
 
 def decoder_part(plan: StepPlan, sources: list[int]) -> tuple[StepPlan, list[int]]:
