@@ -90,7 +90,7 @@ class Companions:
             if (fusion := item.seq.request.params.lm_fusion) is not None:
                 fused.setdefault(fusion.model, []).append(r)
         for name, runner in self.runners.items():
-            if name not in fused and plan.released:  # forget them now: the ids are not reused
+            if name not in fused and plan.released:  # forgotten now, as the main model does
                 runner.rows.apply(StepPlan(released=plan.released))
         if not fused:
             return output
