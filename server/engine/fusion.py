@@ -81,10 +81,15 @@ class Companions:
             )
         return None
 
-    @torch.inference_mode()  # the logits are inference tensors: fused in place
     def fuse(self, plan: StepPlan, items: list[WorkItem], output: StepOutput) -> StepOutput:
         """Run each companion on its fused rows of `plan` (the rows of `items`) and return
         `output` with those rows' logits fused; releases reach every companion."""
+        if not self.runners:  # no extra models (most servers): no row is looked at, any step
+            return output
+        return self._fuse(plan, items, output)
+
+    @torch.inference_mode()  # the logits are inference tensors: fused in place
+    def _fuse(self, plan: StepPlan, items: list[WorkItem], output: StepOutput) -> StepOutput:
         fused: dict[str, list[int]] = {}
         for r, item in enumerate(items):
             if (fusion := item.seq.request.params.lm_fusion) is not None:
