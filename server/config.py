@@ -117,11 +117,10 @@ class ServerConfig(ExtraModelSettings, LoRASettings, ParallelSettings):
         8,
         ge=0,
         le=16,
-        description="n-gram speculation (prompt lookup): a decoding row drafts up to this many "
-        "tokens copied from where its last n-gram occurred before in its own prompt or output, "
-        "and one forward verifies them (greedy output unchanged; sampled rows keep their "
-        "distribution); the count adapts per row and a row whose drafts are rejected stops "
-        "drafting; 0 = off",
+        description="speculation: a decoding row drafts up to this many tokens (from where its "
+        "last n-gram occurred before in its prompt or output, or from speculative_model) and one "
+        "forward verifies them (greedy and seeded output unchanged); the count adapts per row "
+        "and a row whose drafts are rejected stops drafting for a while; 0 = off",
     )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto",

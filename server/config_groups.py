@@ -61,6 +61,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "overlap_outputs",
         "async_scheduling",
         "num_speculative_tokens",
+        "speculative_model",
         "engine_process",
     ),
     "tensor parallelism": ("tensor_parallel_size", "nnodes", "node_rank"),

@@ -20,11 +20,24 @@ class ExtraModelSettings(BaseModel):
         "KV cache has as many blocks as the main model's, within the same memory budget",
     )
 
+    speculative_model: str | None = Field(
+        None,
+        description="speculation with a draft model: the name of one of extra_models (sharing the "
+        "main model's vocabulary) that drafts up to num_speculative_tokens tokens per decoding row "
+        "per step, in place of n-gram drafts; the main model verifies them as it verifies n-gram "
+        "drafts (greedy and seeded output unchanged); unset = n-gram drafts",
+    )
+
     _model_list = field_validator("extra_models", mode="before")(comma_list)
 
     @model_validator(mode="after")
     def _extra_model_settings(self) -> ExtraModelSettings:
-        self.extra_model_sources()  # NAME=SOURCE, each name once
+        names = self.extra_model_sources()  # NAME=SOURCE, each name once
+        if self.speculative_model is not None and self.speculative_model not in names:
+            raise ValueError(
+                f"speculative_model {self.speculative_model!r} is not one of extra_models "
+                f"({', '.join(names) or 'none set'})"
+            )
         return self
 
     def extra_model_sources(self) -> dict[str, str]:

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from server.config import ServerConfig
 from server.device_defaults import with_device_defaults
+from server.engine.draft_model import DraftModel
 from server.engine.engine import Engine
 from server.engine.fusion import Companions
 from server.model.devices import pick_device
@@ -100,7 +101,11 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
         and not runner.encoder_decoder,
         speculative_tokens=config.num_speculative_tokens,
         max_cpu_loras=config.max_cpu_loras,
-        companions=Companions(companions, runner.vocab_size),
+        companions=Companions(
+            companions,
+            runner.vocab_size,
+            draft=draft_model(config, runner, companions, max_model_len),
+        ),
     )
     for (
         name,
@@ -108,6 +113,32 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     ) in config.lora_adapters().items():  # lora.files.AdapterError says what is wrong
         engine.load_adapter(name, source)
     return LoadedEngine(engine, runner, tokenizer, model_dir, config, workers)
+
+
+def draft_model(
+    config: ServerConfig,
+    runner: ModelRunner,
+    companions: dict[str, ModelRunner],
+    max_model_len: int | None,
+) -> DraftModel | None:
+    """The extra model that drafts for speculation (`speculative_model`), or None; ValueError
+    when it cannot draft for this model."""
+    name = config.speculative_model
+    if name is None:
+        return None
+    draft = companions[name]
+    if runner.encoder_decoder:
+        raise ValueError("speculative_model does not run with an encoder-decoder model yet")
+    if config.num_speculative_tokens == 0:
+        raise ValueError("speculative_model drafts num_speculative_tokens tokens: it is 0")
+    if draft.vocab_size != runner.vocab_size:
+        raise ValueError(
+            f"speculative_model {name!r} scores {draft.vocab_size} tokens and the served model "
+            f"{runner.vocab_size}: a draft model must share its vocabulary"
+        )
+    log.info("speculation: %s drafts up to %d tokens", name, config.num_speculative_tokens)
+    limit = max_model_len or draft.max_position_embeddings  # within every model's (load_engine)
+    return DraftModel(name, draft, config.num_speculative_tokens, limit)
 
 
 def with_extra_model_dirs(config: ServerConfig) -> ServerConfig:

@@ -139,7 +139,7 @@ class Metrics:
             "Time per engine step to build the allowed-token mask of its constrained rows.",
             MASK_BUCKETS,
         )
-        # n-gram speculation, under vLLM's spec_decode names
+        # speculation (n-gram or draft-model drafts), under vLLM's spec_decode names
         self._spec_drafts = counter(
             "spec_decode_num_drafts", "Rows' drafts verified (one per drafting row per step)."
         ).labels(*m)

@@ -39,6 +39,7 @@ from server.bootstrap import build_serving_context
 from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import Engine
+from server.engine.fusion import Companions
 from server.metrics import Metrics
 from server.model.runner import ModelRunner
 from tests.group_order import group_of
@@ -152,6 +153,7 @@ def make_engine(
     max_cpu_loras: int | None = None,
     linear_layout: str = "native",
     quantization: str = "none",
+    companions: Companions | None = None,
 ) -> Engine:
     """`linear_layout` native by default: auto picks the CPU's layouts by timing them at each
     start, and two engines of one test may then round differently (tests/test_cpu_linear.py
@@ -178,6 +180,7 @@ def make_engine(
         speculative_tokens=speculative_tokens,
         async_scheduling=async_scheduling,
         max_cpu_loras=max_cpu_loras,
+        companions=companions,
     )
 
 

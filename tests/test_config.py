@@ -82,6 +82,7 @@ def test_every_config_key_but_the_request_limits_is_a_flag() -> None:
         "--num-threads", "--torch-compile", "--no-torch-compile", "--compile-while-serving",
         "--no-compile-while-serving", "--cuda-graphs",
         "--no-cuda-graphs", "--overlap-outputs", "--async-scheduling", "--num-speculative-tokens",
+        "--speculative-model",
         "--engine-process", "--tensor-parallel-size", "--data-parallel-size",
         "--nnodes", "--node-rank",
         "--block-size",

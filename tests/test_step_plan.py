@@ -18,6 +18,7 @@ from server.engine.plan_builder import PlanBuilder
 from server.engine.prefix_cache import PrefixCache
 from server.engine.request import EngineRequest, Sequence
 from server.engine.scheduler import Scheduler
+from server.engine.speculation import add_drafts
 from server.engine.work import ScoreSpan, WorkItem
 from server.model.row_tables import RowTables
 from server.step_plan import (
@@ -231,11 +232,16 @@ class Simulation:
         self.rng = rng
         self.pool = BlockPool(blocks, 4)
         cache = PrefixCache(self.pool) if caching else None
-        self.scheduler = Scheduler(self.pool, 6, 16, cache, propose=self.propose, adapters=None)
+        self.scheduler = Scheduler(self.pool, 6, 16, cache, drafter=self, adapters=None)
         self.builder = PlanBuilder(4, lora=False)
         self.model_side = RowTables()
         self.requests: list[EngineRequest] = []
         self.count = 0
+
+    def add(
+        self, items: list[WorkItem], budget: int, pool: BlockPool, copies: list[tuple[int, int]]
+    ) -> None:
+        add_drafts(items, budget, pool, self.propose)
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         return [self.rng.randrange(50) for _ in range(min(budget, self.rng.randrange(4)))]

@@ -76,13 +76,13 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
         capacity = runner.num_blocks * runner.block_size
         self.max_model_len = min(max_model_len or runner.max_position_embeddings, capacity)
-        drafts = Speculator(speculative_tokens, self.max_model_len).propose  # n-gram; 0: off
+        drafts = Speculator(speculative_tokens, self.max_model_len)  # n-gram; 0: off
         # LoRA adapters (runner.lora: the model's slots): served names, slots, installs
         self.lora = EngineLoRA(runner.lora, max_cpu_loras) if runner.lora is not None else None
         self.companions = companions or Companions({})  # LM fusion's models (fusion.py)
         self.scheduler = Scheduler(
             self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache,
-            propose=drafts if speculative_tokens > 0 else None,
+            drafter=self.companions.draft or (drafts if speculative_tokens > 0 else None),
             adapters=self.lora.slots if self.lora else None,
         )  # fmt: skip
         self.plans = PlanBuilder(

@@ -20,14 +20,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from itertools import accumulate
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 
 from decoding.fusion import LMFusion, fuse_logits_
 from decoding.transfer import to_device
 from server.engine.request import EngineRequest
-from server.engine.work import WorkItem
+from server.engine.work import Drafter, WorkItem
 from server.model.runner import ModelRunner
 from server.step_plan import StepOutput, StepPlan, TableEdit
 
@@ -58,12 +58,26 @@ def plan_rows(plan: StepPlan, rows: list[int]) -> StepPlan:
     )
 
 
+class DraftFollower(Drafter, Protocol):
+    """An extra model that drafts (draft_model.py): it follows every step's prompts."""
+
+    name: str
+
+    def follow(self, plan: StepPlan, items: list[WorkItem]) -> None: ...
+
+
 class Companions:
     """The companion models by name, and what a step runs through them."""
 
-    def __init__(self, runners: Mapping[str, ModelRunner], vocab_size: int = 0) -> None:
+    def __init__(
+        self,
+        runners: Mapping[str, ModelRunner],
+        vocab_size: int = 0,
+        draft: DraftFollower | None = None,
+    ) -> None:
         self.runners = dict(runners)
         self.vocab_size = vocab_size  # the main model's scores per token (0: not checked)
+        self.draft = draft  # the extra model that drafts for speculation, if one does
 
     def refusal(self, request: EngineRequest) -> str | None:
         """Why `request` cannot run here (its companion is not loaded, or scores another
@@ -86,6 +100,8 @@ class Companions:
         `output` with those rows' logits fused; releases reach every companion."""
         if not self.runners:  # no extra models (most servers): no row is looked at, any step
             return output
+        if self.draft is not None:  # first: it makes the step's block copies in its pool
+            self.draft.follow(plan, items)
         return self._fuse(plan, items, output)
 
     @torch.inference_mode()  # the logits are inference tensors: fused in place
@@ -104,7 +120,10 @@ class Companions:
         fusions: list[LMFusion] = []
         parts: list[torch.Tensor] = []
         for name, indices in fused.items():
-            parts.append(self.runners[name].execute(plan_rows(plan, indices)).logits)
+            part = plan_rows(plan, indices)
+            if self.draft is not None and name == self.draft.name:  # copies made: not twice
+                part.copies = []
+            parts.append(self.runners[name].execute(part).logits)
             for r in indices:
                 if plan.samples[r]:
                     rows.append(logits_rows[r])

@@ -160,7 +160,8 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked for
     text: SequenceText | None = None  # streaming rows only (see output_processor.py)
     constraint: TokenConstraint | None = None  # this row's own state (decoding/constraints.py)
-    drafts: RowDrafts | None = None  # n-gram speculation (made at its first draft; forks anew)
+    drafts: RowDrafts | None = None  # speculation's state (made at its first draft; forks anew)
+    draft_computed: int = 0  # leading tokens a draft model's cache holds (engine/draft_model.py)
     # its slot of the engine's penalty table, made at its first penalized step and kept up to
     # date by every commit (decoding/penalty_table.py); None again when tokens are taken back
     penalties: PenaltyRow | None = None

@@ -27,14 +27,13 @@ it may join meanwhile.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.engine.adapters import AdapterSlots
 from server.engine.block_pool import BlockPool, OutOfBlocks
 from server.engine.prefix_cache import PrefixCache
 from server.engine.request import EngineRequest, Sequence
-from server.engine.work import WorkItem
+from server.engine.work import Drafter, WorkItem
 
 
 @dataclass
@@ -83,34 +82,6 @@ def enqueue(waiting: deque[EngineRequest], request: EngineRequest, preempted: bo
     waiting.insert(next(behind, len(waiting)), request)
 
 
-def add_drafts(
-    items: list[WorkItem],
-    budget: int,
-    pool: BlockPool,
-    propose: Callable[[Sequence, int], list[int]],
-) -> None:
-    """Drafts for the items that decode one token, in the budget and the blocks left once
-    everything else of the step has its share (drafts never preempt or delay anyone)."""
-    added = 0
-    for item in items:
-        seq = item.seq
-        if item.num_new != 1 or not item.samples or not seq.num_output or item.score:
-            continue
-        draft = propose(seq, budget - added)
-        if not draft:
-            continue
-        end = seq.num_computed + 1 + len(draft)
-        if pool.blocks_needed(seq.block_table, end) > pool.num_free:
-            room = len(seq.block_table) * pool.block_size - seq.num_computed - 1
-            draft = draft[:room]
-            end = seq.num_computed + 1 + len(draft)
-        if draft:
-            pool.grow(seq.block_table, end)  # new blocks: private, nothing to copy
-            item.draft = draft
-            item.num_new += len(draft)
-            added += len(draft)
-
-
 class Scheduler:
     def __init__(
         self,
@@ -118,13 +89,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
-        propose: Callable[[Sequence, int], list[int]] | None = None,
+        drafter: Drafter | None = None,
         adapters: AdapterSlots | None = None,
     ) -> None:
         self.pool = pool
         self.adapters = adapters or AdapterSlots(0)  # LoRA slots (none: no adapters served)
         self.prefix_cache = prefix_cache
-        self.propose = propose  # drafts for a decoding row, at most the given count
+        self.drafter = drafter  # adds drafts to a step's decoding rows (speculation.py)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[EngineRequest] = deque()
@@ -247,8 +218,8 @@ class Scheduler:
             self.running.append(request)
             plan.items.extend(items)
             budget -= sum(item.num_new for item in items)
-        if speculate and self.propose is not None and budget > 0:  # last: take what is left
-            add_drafts(plan.items, budget, self.pool, self.propose)
+        if speculate and self.drafter is not None and budget > 0:  # last: take what is left
+            self.drafter.add(plan.items, budget, self.pool, plan.copies)
         return plan
 
     def accept_drafts(self, seq: Sequence, accepted: int) -> None:
@@ -288,6 +259,7 @@ class Scheduler:
         that is going away takes the state itself."""
         child = Sequence(parent.request, token_ids, parent.prompt_len, index=index)
         child.num_computed = parent.num_computed
+        child.draft_computed = parent.draft_computed
         child.block_table = self.pool.share(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         if parent.constraint is not None:

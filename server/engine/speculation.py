@@ -1,8 +1,9 @@
-"""N-gram speculation inside the continuous batch: which rows draft, and what a step keeps.
+"""Speculation inside the continuous batch: which rows draft, and what a step keeps.
 
-Before a step the scheduler asks `Speculator.propose` for the drafts of each row that decodes
-(decoding/speculation.py: prompt lookup over the row's own tokens, a per-row draft length that
-adapts and switches itself off when drafts are rejected). The row's step then computes its pending
+Before a step the scheduler asks its drafter for the drafts of the rows that decode: here n-gram
+lookup (`Speculator`; decoding/speculation.py: prompt lookup over the row's own tokens, a per-row
+draft length that adapts and switches itself off when drafts are rejected), or a draft model
+(draft_model.py), which verification treats the same way. The row's step then computes its pending
 token and its drafts (`WorkItem.draft`), with logits at each of those positions. After the forward,
 `VerifyBatch` turns each drafted row into one *position* per logits row, each seeing the drafts
 before it as output (penalties count them, a constrained row's grammar has consumed them), so the
@@ -21,6 +22,7 @@ Which rows draft:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,7 @@ from decoding.penalty_table import PenaltyRow, PenaltyTable
 from decoding.row_tensors import KeptRowTensors
 from decoding.speculation import DraftLength, RowDrafts, accepted_length
 from decoding.transfer import to_device
+from server.engine.block_pool import BlockPool
 from server.engine.request import EngineRequest, Sequence, TokenLogprob
 from server.engine.sampling_step import Choices, PendingChoices, choose_on_device
 from server.engine.work import WorkItem
@@ -60,48 +63,97 @@ class RowOutcome:
     no_token: bool = False  # a constrained row had nothing left to choose after `tokens`
 
 
+def can_draft(item: WorkItem) -> bool:
+    """Whether a step's item may take drafts: a row that decodes one token after its first
+    output, scores nothing, and is neither a beam (its beams re-fork at every step) nor fused
+    (its companion's scores are needed before a token is chosen)."""
+    seq = item.seq
+    if item.num_new != 1 or not item.samples or not seq.num_output or item.score:
+        return False
+    return seq.request.search is None and seq.request.params.lm_fusion is None
+
+
+def legal_prefix(seq: Sequence, state: RowDrafts, draft: list[int]) -> list[int]:
+    """The drafts of a constrained row its grammar allows, keeping its state after each one."""
+    states: list[TokenConstraint] = []
+    current = seq.constraint
+    assert current is not None
+    for j, token in enumerate(draft):
+        if token in seq.request.finishing_ids:  # it ends the row: nothing after it matters
+            state.constraints = states
+            return draft[: j + 1]
+        current = current.fork()
+        if not current.advance(token):
+            draft = draft[:j]
+            break
+        states.append(current)
+    state.constraints = states
+    return draft
+
+
+def add_drafts(
+    items: list[WorkItem],
+    budget: int,
+    pool: BlockPool,
+    propose: Callable[[Sequence, int], list[int]],
+) -> None:
+    """Drafts for the items that may take them (`propose`: a row's drafts, at most the count
+    given), in the budget and the blocks left once everything else of the step has its share
+    (drafts never preempt or delay anyone)."""
+    added = 0
+    for item in items:
+        if not can_draft(item):
+            continue
+        seq = item.seq
+        draft = propose(seq, budget - added)
+        if not draft:
+            continue
+        end = seq.num_computed + 1 + len(draft)
+        if pool.blocks_needed(seq.block_table, end) > pool.num_free:
+            room = len(seq.block_table) * pool.block_size - seq.num_computed - 1
+            draft = draft[:room]
+            end = seq.num_computed + 1 + len(draft)
+        if draft:
+            pool.grow(seq.block_table, end)  # new blocks: private, nothing to copy
+            item.draft = draft
+            item.num_new += len(draft)
+            added += len(draft)
+
+
+def draft_room(seq: Sequence, length: int, budget: int, max_model_len: int) -> int:
+    """How many drafts a row may take now: its draft length, the step's budget left, and room
+    for the token kept after them within `max_tokens` and the model's length."""
+    return min(
+        budget,
+        length,
+        seq.request.params.max_tokens - seq.num_output - 1,
+        max_model_len - len(seq.token_ids) - 1,
+    )
+
+
 class Speculator:
+    """N-gram drafts: prompt lookup over each row's own tokens."""
+
     def __init__(self, num_tokens: int, max_model_len: int) -> None:
         self.num_tokens = num_tokens  # most drafts per row per step
         self.max_model_len = max_model_len
 
+    def add(
+        self, items: list[WorkItem], budget: int, pool: BlockPool, copies: list[tuple[int, int]]
+    ) -> None:
+        add_drafts(items, budget, pool, self.propose)
+
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a row about to decode one token, at most `room` (the step's budget)."""
-        req = seq.request
-        if req.search is not None or req.params.lm_fusion is not None:  # its companion: no drafts
-            return []
         state = seq.drafts
         if state is None:
             state = seq.drafts = RowDrafts(DraftLength(self.num_tokens))
         if not state.length.drafts_now():
             return []
-        room = min(
-            room,
-            state.length.length,
-            req.params.max_tokens - seq.num_output - 1,  # the kept token after them still fits
-            self.max_model_len - len(seq.token_ids) - 1,
-        )
+        room = draft_room(seq, state.length.length, room, self.max_model_len)
         draft = state.index.propose(seq.token_ids, room)
         if seq.constraint is not None and draft:
-            draft = self._legal_prefix(seq, state, draft)
-        return draft
-
-    @staticmethod
-    def _legal_prefix(seq: Sequence, state: RowDrafts, draft: list[int]) -> list[int]:
-        """The drafts the row's grammar allows, keeping its state after each one."""
-        states: list[TokenConstraint] = []
-        current = seq.constraint
-        assert current is not None
-        for j, token in enumerate(draft):
-            if token in seq.request.finishing_ids:  # it ends the row: nothing after it matters
-                state.constraints = states
-                return draft[: j + 1]
-            current = current.fork()
-            if not current.advance(token):
-                draft = draft[:j]
-                break
-            states.append(current)
-        state.constraints = states
+            draft = legal_prefix(seq, state, draft)
         return draft
 
 

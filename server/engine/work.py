@@ -8,9 +8,10 @@ row.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from server.engine.block_pool import BlockPool
     from server.engine.request import Sequence
 
 
@@ -40,3 +41,14 @@ class WorkItem:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the row, so its last token predicts the next."""
         return self.seq.num_computed + self.num_new == len(self.seq.token_ids) + len(self.draft)
+
+
+class Drafter(Protocol):
+    """Speculation's proposer (speculation.py: n-gram lookup; draft_model.py: a draft model)."""
+
+    def add(
+        self, items: list[WorkItem], budget: int, pool: BlockPool, copies: list[tuple[int, int]]
+    ) -> None:
+        """Give the step's decoding `items` drafts (`WorkItem.draft`, counted in `num_new`), at
+        most `budget` tokens in all, in blocks grown from `pool`'s free ones; `copies`: the
+        step's copy-on-write block copies, not made yet."""
