@@ -168,6 +168,31 @@ def test_seeded_samples_are_the_same_tokens_with_a_draft_model(llama_dir: Path) 
     assert len({tuple(g.token_ids) for g in spec}) > 32  # the seeds drew different samples
 
 
+def test_a_failing_draft_model_costs_drafts_not_outputs(llama_dir: Path) -> None:
+    """Drafts are optional: a draft model whose forward raises leaves every row without drafts
+    for that step (its grown blocks given back); nothing fails and the outputs are unchanged."""
+    engine = draft_engine(llama_dir, llama_dir)
+    runner = engine.companions.runners["draft"]
+    calls = 0
+
+    def flaky(plan: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls % 3 == 0:
+            raise RuntimeError("draft model down")
+        return ModelRunner.execute(runner, plan)  # type: ignore[arg-type]
+
+    runner.execute = flaky  # type: ignore[method-assign]
+    prompts = [engine.tokenizer(text).input_ids for text in LOOPING]
+    work = [(p, DecodingParams(max_tokens=30, temperature=0.0)) for p in prompts]
+    expected = run(make_engine(llama_dir), work)
+    got = run(engine, work)
+    assert [g.token_ids for g in got] == [g.token_ids for g in expected]
+    assert all(g.finish_reason == "length" for g in got)
+    assert calls > 6 and drafted(engine)[0] > 0
+    assert_all_blocks_back(engine)
+
+
 # ---- served ---------------------------------------------------------------------------------
 def test_a_server_drafts_with_its_speculative_model(llama_dir: Path) -> None:
     """`--extra-models draft=... --speculative-model draft`: completions unchanged (greedy equals

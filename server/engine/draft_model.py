@@ -22,6 +22,8 @@ of a request that is not fused), so prefix-cached blocks carry the draft's keys 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from decoding.constraints import TokenConstraint, apply_constraint_mask_, build_constraint_mask
@@ -33,6 +35,8 @@ from server.engine.speculation import can_draft, draft_room
 from server.engine.work import WorkItem
 from server.model.runner import ModelRunner
 from server.step_plan import StepPlan, TableEdit
+
+log = logging.getLogger(__name__)
 
 
 class DraftModel:
@@ -71,7 +75,13 @@ class DraftModel:
             budget -= room
         if not rows:
             return
-        for item, draft in zip(taking, self._draft(rows, copies)):
+        try:
+            drafts = self._draft(rows, copies)
+        except Exception:  # drafts are optional: the step runs without them, nobody fails
+            log.exception("the draft model failed; this step runs without drafts")
+            self._copied = None
+            drafts = [[] for _ in rows]
+        for item, draft in zip(taking, drafts):
             pool.shrink(item.seq.block_table, item.seq.num_computed + 1 + len(draft))
             item.draft = draft
             item.num_new += len(draft)
@@ -156,7 +166,11 @@ class DraftModel:
         chunk.table_edits = [
             TableEdit(i, 0, list(items[r].seq.block_table)) for i, r in enumerate(rows)
         ]
-        self.runner.execute(chunk)
+        try:
+            self.runner.execute(chunk)
+        except Exception:  # its rows catch up when they draft (from what the draft holds)
+            log.exception("the draft model failed to follow this step's prompts")
+            return
         for r in rows:
             seq: Sequence = items[r].seq
             seq.draft_computed = seq.num_computed + items[r].num_new
