@@ -42,6 +42,7 @@ def drive(
     model: Model,
     params: DecodingParams,
     prompt: list[int] | None = None,
+    eos_ids: frozenset[int] = EOS_IDS,
 ) -> tuple[list[Hypothesis], list[BeamStep]]:
     """What the engine does: run the rows the search asks for, fork as `parents` say."""
     prompt = prompt or []
@@ -52,7 +53,7 @@ def drive(
         logits = torch.stack([model(prompt + r) for r in rows])
         vocab = logits.shape[-1]
         t = SamplingTensors.from_rows(
-            [params] * len(rows), [prompt] * len(rows), rows, EOS_IDS, vocab, "cpu"
+            [params] * len(rows), [prompt] * len(rows), rows, eos_ids, vocab, "cpu"
         )
         step = search.step(process_logits(logits, t))
         steps.append(step)

@@ -22,7 +22,7 @@ from transformers import (
     TopKLogitsWarper,
 )
 
-from decoding import DecodingParams
+from decoding import DecodingParams, make_beam_search
 from decoding.fusion import LMFusion, fuse_logits_
 from server.api.encoder_decoder import SourceModel
 from server.engine.engine import Engine
@@ -33,6 +33,7 @@ from server.model.seq2seq.target_lm import TargetLM
 from server.step_plan import StepPlan, TableEdit
 from tests.conftest import TEST_DEVICE
 from tests.engine_driver import run_to_completion, submit
+from tests.test_decoding_beams import drive
 from tests.tiny_models import build_tiny_model
 from tests.tiny_seq2seq import build_tiny_seq2seq
 
@@ -158,6 +159,38 @@ def test_fused_beam_search_matches_generate(
             length_penalty=length_penalty,
         )
         assert run(engine, prompt, params) == expected
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    "beams",
+    [
+        dict(num_beams=3, n=3, do_sample=True, temperature=0.8, top_k=20, seed=5),
+        dict(num_beams=4, n=4, num_beam_groups=2, diversity_penalty=0.8, length_penalty=0.7),
+    ],
+    ids=["beam_sample", "group_beam"],
+)
+def test_fused_beam_sampling_and_group_beams_match_the_beam_library(
+    engine: Engine, hf_models, beams: dict
+) -> None:
+    """The reference is decoding/'s own beam state machine (exact against transformers 4.55's
+    beam sampling and group beam search: test_decoding_hf455.py) driven as the engine drives it,
+    by a model that returns fairseq's fused scores: the engine hands a fused request's beams
+    those scores as its log-probs, unnormalised, with the same seeded draws."""
+    main, lm = hf_models
+    fusion = LMFusion("lm", 0.6)
+    params = DecodingParams(max_tokens=8, lm_fusion=fusion, **beams)
+
+    @torch.no_grad()
+    def fused(history: list[int]) -> torch.Tensor:
+        x = torch.tensor([history])
+        return FusedScores(lm, fusion.weight)(x, main(x).logits[:, -1, :].float())[0]
+
+    for prompt in PROMPTS[:2]:
+        room = engine.max_model_len - len(prompt)
+        search = make_beam_search(params, engine.eos_token_ids, max_new_tokens=room)
+        hyps, _ = drive(search, fused, params, prompt, eos_ids=engine.eos_token_ids)
+        assert run(engine, prompt, params) == [h.token_ids for h in hyps]
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
