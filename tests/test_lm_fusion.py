@@ -22,8 +22,15 @@ from transformers import (
     TopKLogitsWarper,
 )
 
-from decoding import DecodingParams, make_beam_search
+from decoding import (
+    DecodingParams,
+    SamplingTensors,
+    choose_tokens,
+    make_beam_search,
+    process_logits,
+)
 from decoding.fusion import LMFusion, fuse_logits_
+from decoding.random_streams import RandomStreams, stream_key
 from server.api.encoder_decoder import SourceModel
 from server.engine.engine import Engine
 from server.engine.fusion import Companions, plan_rows
@@ -214,6 +221,36 @@ def test_fused_sampling_draws_from_the_fused_warped_distribution(engine: Engine,
             ids = torch.tensor([prompt + first[:i]])
             scores = processors(ids, main(ids).logits[:, -1, :])
             assert torch.isfinite(scores[0, token]), f"token {i} outside the fused top-k"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.8, repetition_penalty=1.2)],
+    ids=["top_k", "top_p_penalty"],
+)
+def test_seeded_fused_sampling_is_token_exact_against_a_reference_loop(
+    engine: Engine, hf_models, sampling: dict
+) -> None:
+    """A reference loop over the two transformers models: fairseq's fused scores, then decoding/'s
+    processing (equal to generate()'s processors and warpers: test_decoding_hf_parity.py) and its
+    inverse-CDF draw with the request's own random stream: the engine's tokens, one for one."""
+    main, lm = hf_models
+    fusion = LMFusion("lm", 0.8)
+    params = DecodingParams(max_tokens=12, seed=11, lm_fusion=fusion, **sampling)
+    for prompt in PROMPTS:
+        out: list[int] = []
+        with torch.no_grad():
+            for _ in range(params.max_tokens):
+                ids = torch.tensor([prompt + out])
+                fused = FusedScores(lm, fusion.weight)(ids, main(ids).logits[:, -1, :].float())
+                t = SamplingTensors.from_rows(
+                    [params], [prompt], [out], engine.eos_token_ids, fused.shape[-1], "cpu"
+                )
+                streams = RandomStreams.of([stream_key(params.seed)], [len(out)], "cpu")
+                out.append(int(choose_tokens(process_logits(fused, t), t, streams)[0]))
+                if out[-1] in engine.eos_token_ids:
+                    break
+        assert run(engine, prompt, params) == [out]
 
 
 def test_contrastive_decoding_matches_a_reference_loop(engine: Engine, hf_models) -> None:
