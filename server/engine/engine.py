@@ -79,7 +79,7 @@ class Engine:
         drafts = Speculator(speculative_tokens, self.max_model_len)  # n-gram; 0: off
         # LoRA adapters (runner.lora: the model's slots): served names, slots, installs
         self.lora = EngineLoRA(runner.lora, max_cpu_loras) if runner.lora is not None else None
-        self.companions = companions or Companions({})  # LM fusion's models (fusion.py)
+        self.companions = companions or Companions({})  # extra models: fused, drafting
         self.scheduler = Scheduler(
             self.pool, max_num_seqs, max_num_batched_tokens, self.prefix_cache,
             drafter=self.companions.draft or (drafts if speculative_tokens > 0 else None),

@@ -13,6 +13,9 @@ another request never wrote the companion's half of them.
 The rows' sampled logits are then replaced by the fused scores (decoding/fusion.py), which every
 strategy reads. Fused rows take no drafts and are never left in flight (speculation.py,
 in_flight.py): the companion's logits are needed before a token is chosen.
+
+An extra model may also draft for speculation (draft_model.py): it follows every step here,
+before any companion runs, and makes the step's block copies in its pool itself.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ class Companions:
 
     def fuse(self, plan: StepPlan, items: list[WorkItem], output: StepOutput) -> StepOutput:
         """Run each companion on its fused rows of `plan` (the rows of `items`) and return
-        `output` with those rows' logits fused; releases reach every companion."""
+        `output` with those rows' logits fused; releases reach every companion. A draft model
+        follows the step first (draft_model.py)."""
         if not self.runners:  # no extra models (most servers): no row is looked at, any step
             return output
         if self.draft is not None:  # first: it makes the step's block copies in its pool
