@@ -18,6 +18,7 @@ from server.device_defaults import with_device_defaults
 from server.engine.draft_model import DraftModel
 from server.engine.engine import Engine
 from server.engine.fusion import Companions
+from server.model.architecture import source_and_target_positions
 from server.model.devices import pick_device
 from server.model.loader import default_cache_dir, resolve_model_dir
 from server.model.runner import ModelRunner
@@ -85,7 +86,9 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     companions = build_companions(config, runner, device)
     tokenizer = load_tokenizer(model_dir, config.cache_dir or default_cache_dir())
     max_model_len = config.max_model_len
-    if companions:  # a fused row runs through them too: within every model's context
+    if companions and runner.encoder_decoder:  # they read the decoder's tokens alone
+        check_target_lm_positions(runner, companions)
+    elif companions:  # a fused row runs through them too: within every model's context
         lengths = [r.max_position_embeddings for r in (runner, *companions.values())]
         max_model_len = min(max_model_len or min(lengths), min(lengths))
     engine = Engine(
@@ -113,6 +116,18 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     ) in config.lora_adapters().items():  # lora.files.AdapterError says what is wrong
         engine.load_adapter(name, source)
     return LoadedEngine(engine, runner, tokenizer, model_dir, config, workers)
+
+
+def check_target_lm_positions(runner: ModelRunner, companions: dict[str, ModelRunner]) -> None:
+    """ValueError for an extra model of an encoder-decoder served model with fewer positions
+    than its decoder: a fused row's decoder tokens, all of them, run through it."""
+    target = source_and_target_positions(runner.config)[1]
+    for name, companion in companions.items():
+        if companion.max_position_embeddings < target:
+            raise ValueError(
+                f"extra model {name!r} has {companion.max_position_embeddings} positions and the "
+                f"served model's decoder {target}: fused rows could outgrow it"
+            )
 
 
 def draft_model(

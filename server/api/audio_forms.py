@@ -1,7 +1,8 @@
 """The multipart forms of OpenAI's audio routes, as the openai SDK sends them: the upload in
 `file`, every other field a form field (lists as repeated `name[]` fields), checked by pydantic
 so that a wrong field is a 400 naming it, as for a JSON body. beamline's decoding fields
-(`num_beams`, `best_of`, `length_penalty`) ride along as form fields."""
+(`num_beams`, `best_of`, `length_penalty`, `lm_fusion` as JSON text) ride along as form
+fields."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from typing import Literal
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Json, ValidationError
 from starlette.datastructures import UploadFile
 
 from server.api.errors import bad_request
+from server.api.fusion_models import LMFusionField
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 LIST_FIELDS = ("timestamp_granularities", "include")
@@ -67,6 +69,12 @@ class TranscriptionForm(BaseModel):
     logprob_threshold: float = Field(
         -1.0, description="fails below it: its average log-probability (beams: their score)"
     )
+    lm_fusion: Json[LMFusionField] | None = Field(
+        None,
+        description="an extra model fused into every step, as on the text routes: its JSON text, "
+        'e.g. {"model": "lm", "weight": 0.3} (a language model with the speech model\'s '
+        "vocabulary, reading the decoder's tokens)",
+    )
     no_speech_threshold: float = Field(
         0.6,
         ge=0.0,
@@ -108,6 +116,12 @@ async def read_form(
     try:
         parsed = form_class.model_validate(fields)
     except ValidationError as exc:
+        for error in exc.errors():
+            if error["type"] == "json_invalid":  # a field sent as JSON text (lm_fusion)
+                name = str(error["loc"][0])
+                reason = (error.get("ctx") or {}).get("error", "invalid JSON")
+                message = f"{name} is not valid JSON: {reason}"
+                raise bad_request(message, name, "invalid_json") from None
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
         ) from None

@@ -21,6 +21,7 @@ from transformers.models.whisper.tokenization_whisper import LANGUAGES
 from decoding import DecodingParams
 from server.api.audio_forms import TranscriptionForm
 from server.api.errors import APIError, bad_request
+from server.api.fusion_models import lm_fusion_params
 from server.api.request_params import check_rows_fit
 from server.api.serving import ServingContext, check_model
 from server.api.streaming import sse
@@ -67,6 +68,7 @@ async def prepare(
         logprobs=0,  # the fallback averages them (and verbose_json reports them)
         logprobs_mode="processed",
         timestamp_rules=speech.timestamp_rules() if timed else None,
+        lm_fusion=lm_fusion_params(ctx.fusion_models, form.lm_fusion),
     )
     rules = FallbackRules.of(
         form.temperature,
