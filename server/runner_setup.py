@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from math import prod
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from server.config import ServerConfig
 from server.host_memory import keep_freed_memory
@@ -53,6 +55,7 @@ def build_runner(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             shared_bytes_per_block=extra_kv_bytes(config, dtype),
+            reserved_bytes=extra_weight_bytes(config, dtype) if device.type == "cuda" else 0,
         ),
     )
     cache = config.cache_dir or default_cache_dir()
@@ -117,25 +120,36 @@ def extra_kv_bytes(config: ServerConfig, dtype: torch.dtype) -> int:
     )
 
 
+def extra_weight_bytes(config: ServerConfig, dtype: torch.dtype) -> int:
+    """The device bytes the extra models' weights will take in `dtype` (their tensors' element
+    counts from the safetensors headers; a pickle checkpoint's file size), so that an automatic
+    KV pool sized before they load leaves room for them. An int8 format takes less: room to
+    spare, never too little."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for source in config.extra_model_sources().values():
+        files = sorted(Path(source).glob("*.safetensors"))
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                total += sum(prod(f.get_slice(k).get_shape()) for k in f.keys()) * element
+        if not files:
+            total += sum(p.stat().st_size for p in Path(source).glob("*.bin"))
+    return total
+
+
 def build_companions(
     config: ServerConfig, main: ModelRunner, device: torch.device
 ) -> dict[str, ModelRunner]:
     """The extra models, each on a KV pool of the main model's block count (its blocks' ids are
     the main pool's: engine/fusion.py), eager, in the main model's dtype and int8 format.
     An encoder-decoder served model's companions run its rows' decoder tokens (TargetLM).
-    ValueError for what cannot be fused yet: an encoder-decoder extra model, tensor parallelism,
-    an automatic KV budget on a GPU (the extra models' weights load after it)."""
+    ValueError for what cannot be fused yet: an encoder-decoder extra model, tensor
+    parallelism. An automatic KV pool on a GPU left room for their weights (extra_weight_bytes)."""
     sources = config.extra_model_sources()
     if not sources:
         return {}
-    refused = {
-        "tensor parallelism": main.tp is not None,
-        "kv_cache_memory auto on a GPU (set kv_cache_memory or num_kv_blocks)": device.type != "cpu"
-        and config.num_kv_blocks is None
-        and config.kv_cache_memory == "auto",
-    }
-    if reasons := [name for name, on in refused.items() if on]:
-        raise ValueError(f"extra_models do not run with {', '.join(reasons)} yet")
+    if main.tp is not None:
+        raise ValueError("extra_models do not run with tensor parallelism yet")
     companions = {}
     for name, source in sources.items():
         if is_seq2seq(text_config(Path(source))):

@@ -20,7 +20,8 @@ from server.api.app import create_app
 from server.api.serving import ServingContext
 from server.bootstrap import ModelLoadFailed, build_serving_context
 from server.config import ServerConfig
-from server.runner_setup import extra_kv_bytes
+from server.model.kv_budget import GiB, KVBudget, plan_num_blocks
+from server.runner_setup import extra_kv_bytes, extra_weight_bytes
 from tests.live_server import live_server
 from tests.reliability_helpers import assert_openai_error
 from tests.test_lm_fusion import FusedScores
@@ -192,6 +193,24 @@ def test_extra_models_share_the_kv_budget(dirs: dict[str, Path]) -> None:
         assert ctx.fusion_models == {"lm": None}
     finally:
         ctx.engine.shutdown()
+
+
+def test_an_automatic_gpu_pool_leaves_room_for_the_extra_models_weights(
+    dirs: dict[str, Path],
+) -> None:
+    """The pool is sized before the extra models load: their weights, in the served dtype, count
+    as memory in use (a fake GPU: the arithmetic is device-free)."""
+    lm = AutoModelForCausalLM.from_pretrained(dirs["lm"])
+    params = sum(p.numel() for p in lm.parameters())
+    config = settings(dirs, extra_models=[f"lm={dirs['lm']}", f"other={dirs['other']}"])
+    assert extra_weight_bytes(config, torch.float16) == 2 * 2 * params
+    assert extra_weight_bytes(settings(dirs, extra_models=[]), torch.float16) == 0
+    gpu = torch.device("cuda")  # a label: nothing runs on it
+    plan = dict(num_blocks=None, bytes_per_block=2**20, block_size=16, device=gpu)
+    plan |= dict(max_model_len=1024, profile=lambda: 0, mem_info=lambda d: (70 * GiB, 80 * GiB))
+    alone = plan_num_blocks(KVBudget(), **plan)  # type: ignore[arg-type]
+    beside = plan_num_blocks(KVBudget(reserved_bytes=4 * GiB), **plan)  # type: ignore[arg-type]
+    assert alone - beside == 4 * 1024
 
 
 def test_an_encoder_decoder_extra_model_is_refused_at_start_up(dirs: dict[str, Path]) -> None:

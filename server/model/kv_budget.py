@@ -59,6 +59,8 @@ class KVBudget:
     # the KV bytes other models keep per block of this pool (LM fusion's companions hold the
     # same block ids in pools of their own: engine/fusion.py)
     shared_bytes_per_block: int = 0
+    # device bytes loaded after the pool is sized: the extra models' weights (runner_setup.py)
+    reserved_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,8 @@ def _plan(
         return _at_least_one_block(CPU_AUTO_KV_BYTES // bytes_per_block, bytes_per_block)
     peak = profile()
     free, total = mem_info(device)  # after the profile: CUDA context and kernels loaded
-    memory = DeviceMemory(total=total, used=total - free, peak_activation=peak)
+    used = total - free + budget.reserved_bytes  # the extra models' weights load after this
+    memory = DeviceMemory(total=total, used=used, peak_activation=peak)
     blocks = auto_num_blocks(memory, budget.gpu_memory_utilization, bytes_per_block)
     needed = -(-max_model_len // block_size)  # blocks of one sequence of max_model_len tokens
     if blocks < max(needed, 1):
@@ -157,7 +160,8 @@ def _plan(
             _does_not_fit(budget, memory, bytes_per_block, blocks, max_model_len, needed)
         )
     log.info(
-        "KV cache (auto) on %s: %.2f x %.2f GiB total - %.2f GiB in use after loading - "
+        "KV cache (auto) on %s: %.2f x %.2f GiB total - %.2f GiB in use after loading (extra "
+        "models' weights included) - "
         "%.2f GiB peak activation (%d tokens, %d rows) = %.2f GiB: %d blocks of %d tokens",
         device,
         budget.gpu_memory_utilization,
