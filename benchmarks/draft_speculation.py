@@ -17,24 +17,19 @@ rounds would reuse each other's blocks.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
 from benchmarks.client import CompletionTarget
 from benchmarks.launch import first_model_id, launched_beamline
-from benchmarks.lm_fusion import timed
+from benchmarks.load_runs import load_parser, run_and_write, timed
 from benchmarks.machine import machine_info
 from benchmarks.workload import synthetic_workload
 from server.docgen.published import reproducing_command
 
-OUT_DIR = Path(__file__).resolve().parent / "results"
 MODES = ("none", "ngram", "draft")
 
 
@@ -113,25 +108,10 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="HF directory, .gguf or hub id (default: Gemma 3 270M)")
+    p = load_parser(__doc__, "draft-speculation")
     p.add_argument("--draft", help="the draft model (default: the served model itself)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--beamline-args", default="", help="more `beamline serve` flags, all servers")
-    p.add_argument("--launch-timeout", type=float, default=900.0)
-    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
-    p.add_argument(
-        "--out", type=Path, help="JSON result (default: <out-dir>/draft-speculation-<date>.json)"
-    )
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    result = asyncio.run(run(args))
-    out = args.out or args.out_dir / f"draft-speculation-{result['date']}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    args, result, out = run_and_write(p, argv, run, "draft-speculation")
     for key, s in result["summary"].items():
         print(
             f"{key}: time over none: ngram {s['ngram_over_none_time']:.2f}x, "

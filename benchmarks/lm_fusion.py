@@ -15,36 +15,17 @@ Speculation and prefix caching are off in every server (`--num-speculative-token
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-from benchmarks.client import CompletionTarget, run_concurrency
+from benchmarks.client import CompletionTarget
 from benchmarks.launch import first_model_id, launched_beamline
+from benchmarks.load_runs import load_parser, run_and_write, timed
 from benchmarks.machine import machine_info
-from benchmarks.stats import summarize
-from benchmarks.workload import BenchRequest, synthetic_workload
+from benchmarks.workload import synthetic_workload
 from server.docgen.published import reproducing_command
 
-OUT_DIR = Path(__file__).resolve().parent / "results"
 FIXED_ARGS = ["--num-speculative-tokens", "0", "--no-enable-prefix-caching"]
-
-
-async def timed(
-    target: CompletionTarget, requests: tuple[BenchRequest, ...], concurrency: int, label: str
-) -> dict:
-    """The load's wall time and throughput (output tokens of the returned beams per second)."""
-    results, duration = await run_concurrency(target, requests, concurrency, label)
-    metrics = summarize(results, duration)
-    print(
-        f"{label}: {duration:.1f} s, {metrics['output_throughput']:.1f} out tok/s, "
-        f"{metrics['errors']} errors",
-        file=sys.stderr,
-    )
-    return {"seconds": duration, **metrics}
 
 
 def beam_target(url: str, model: str, beams: int, fusion: dict | None = None) -> CompletionTarget:
@@ -127,26 +108,11 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="HF directory, .gguf or hub id (default: Gemma 3 270M)")
+    p = load_parser(__doc__, "lm-fusion")
     p.add_argument("--companion", help="the fused LM (default: the served model itself)")
     p.add_argument("--weight", type=float, default=0.3)
     p.add_argument("--num-beams", type=int, default=4)
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--beamline-args", default="", help="more `beamline serve` flags, all servers")
-    p.add_argument("--launch-timeout", type=float, default=900.0)
-    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
-    p.add_argument(
-        "--out", type=Path, help="JSON result (default: <out-dir>/lm-fusion-<date>.json)"
-    )
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    result = asyncio.run(run(args))
-    out = args.out or args.out_dir / f"lm-fusion-{result['date']}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    args, result, out = run_and_write(p, argv, run, "lm-fusion")
     for key, s in result["summary"].items():
         print(
             f"{key}: fused / plain beam-{args.num_beams} time {s['fused_over_plain_time']:.2f}x "

@@ -31,7 +31,7 @@ from decoding.speculation import DraftLength, RowDrafts
 from server.engine.block_pool import BlockPool
 from server.engine.fusion import plan_rows
 from server.engine.request import Sequence
-from server.engine.speculation import can_draft, draft_room
+from server.engine.speculation import can_draft, draft_room, fitting_drafts
 from server.engine.work import WorkItem
 from server.model.runner import ModelRunner
 from server.step_plan import StepPlan, TableEdit
@@ -65,8 +65,7 @@ class DraftModel:
             if not state.length.drafts_now():
                 continue
             room = draft_room(seq, state.length.length, budget, self.max_model_len)
-            if pool.blocks_needed(seq.block_table, seq.num_computed + 1 + room) > pool.num_free:
-                room = min(room, len(seq.block_table) * pool.block_size - seq.num_computed - 1)
+            room = fitting_drafts(pool, seq, room) if room > 0 else 0
             if room <= 0:
                 continue
             pool.grow(seq.block_table, seq.num_computed + 1 + room)  # new blocks: private

@@ -108,16 +108,20 @@ def add_drafts(
         draft = propose(seq, budget - added)
         if not draft:
             continue
-        end = seq.num_computed + 1 + len(draft)
-        if pool.blocks_needed(seq.block_table, end) > pool.num_free:
-            room = len(seq.block_table) * pool.block_size - seq.num_computed - 1
-            draft = draft[:room]
-            end = seq.num_computed + 1 + len(draft)
+        draft = draft[: fitting_drafts(pool, seq, len(draft))]
         if draft:
-            pool.grow(seq.block_table, end)  # new blocks: private, nothing to copy
+            pool.grow(seq.block_table, seq.num_computed + 1 + len(draft))  # private: no copies
             item.draft = draft
             item.num_new += len(draft)
             added += len(draft)
+
+
+def fitting_drafts(pool: BlockPool, seq: Sequence, count: int) -> int:
+    """How many of `count` drafts after a row's pending token the pool can hold: all when the
+    free blocks suffice, else those that fit the row's last block."""
+    if pool.blocks_needed(seq.block_table, seq.num_computed + 1 + count) <= pool.num_free:
+        return count
+    return min(count, len(seq.block_table) * pool.block_size - seq.num_computed - 1)
 
 
 def draft_room(seq: Sequence, length: int, budget: int, max_model_len: int) -> int:
