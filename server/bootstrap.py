@@ -11,6 +11,7 @@ from pathlib import Path
 
 from server.api.encoder_decoder import SourceModel
 from server.api.fusion_models import fusion_models
+from server.api.named_models import named_models
 from server.api.sampling_defaults import describe, read_sampling_defaults
 from server.api.serving import ServingContext
 from server.audio.speech_model import SpeechModel
@@ -81,6 +82,8 @@ def prepare_model(config: ServerConfig) -> ServerConfig:
     }
     if name in extra:
         raise ModelNotFound(f"extra model {name!r} has the served model's name: rename it")
+    if both := sorted(set(extra) & set(adapters)):
+        raise ModelNotFound(f"{both[0]!r} names an extra model and a LoRA adapter: rename one")
     return config.model_copy(
         update={
             "model": str(located.path),
@@ -175,7 +178,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
     device = pick_device(config.device)
     config = with_device_defaults(config, device.type)  # a no-op when `beamline serve` did it
     name = config.served_model_name or served_model_name(config.model)
-    metrics = Metrics(name)
+    metrics = Metrics(name, list(config.extra_model_sources()))
     started = time.monotonic()
     engine: EngineClient
     config = with_extra_model_dirs(config)  # converts a GGUF once, here
@@ -218,6 +221,10 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         speech=SpeechModel.read(model_dir, tokenizer),
         grammar_token_bytes=token_bytes_path(model_dir, config.cache_dir or default_cache_dir()),
         fusion_models=fusion_models(config, model_dir, tokenizer),
+    )
+    decoder_only = ctx.encoder_decoder is None and ctx.speech is None
+    ctx.named_models = named_models(
+        config, ctx.fusion_models, decoder_only, ctx.engine.eos_token_ids, tokenizer
     )
     if ctx.speech is not None:
         refuse_a_pool_without_a_window(ctx.engine, ctx.speech)

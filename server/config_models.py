@@ -16,8 +16,9 @@ class ExtraModelSettings(BaseModel):
         default_factory=list,
         description="another model loaded beside the main one, NAME=SOURCE (a directory, .gguf "
         "file or hub id, resolved like --model): a decoder-only language model that requests "
-        "fuse into their steps with lm_fusion (it must share the main model's vocabulary); its "
-        "KV cache has as many blocks as the main model's, within the same memory budget",
+        "name as their `model` (when it reads text as the main model does: the same vocabulary "
+        "and end-of-sequence ids) or fuse into their steps with lm_fusion (the same vocabulary); "
+        "its KV cache has as many blocks as the main model's, within the same memory budget",
     )
 
     speculative_model: str | None = Field(

@@ -21,7 +21,7 @@ from server.engine.fusion import Companions
 from server.model.architecture import source_and_target_positions
 from server.model.devices import pick_device
 from server.model.loader import default_cache_dir, resolve_model_dir
-from server.model.runner import ModelRunner
+from server.model.runner import ModelRunner, eos_token_ids
 from server.model.weights import text_config
 from server.parallel.group import Rendezvous, TPGroup, rank_device
 from server.parallel.shard import check_tp_size
@@ -108,6 +108,7 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
             companions,
             runner.vocab_size,
             draft=draft_model(config, runner, companions, max_model_len),
+            served=serving_refusals(runner, companions, tokenizer),
         ),
     )
     for (
@@ -116,6 +117,33 @@ def load_engine(config: ServerConfig) -> LoadedEngine:
     ) in config.lora_adapters().items():  # lora.files.AdapterError says what is wrong
         engine.load_adapter(name, source)
     return LoadedEngine(engine, runner, tokenizer, model_dir, config, workers)
+
+
+def serving_refusals(
+    runner: ModelRunner, companions: dict[str, ModelRunner], tokenizer: PreTrainedTokenizerBase
+) -> dict[str, str | None]:
+    """Each extra model and why a request's `model` cannot name it (None: it can). It runs such
+    a request's rows in the served model's batch, with its tokenizer, its grammars and its
+    end-of-sequence ids: a decoder-only model beside a decoder-only one, with the same vocabulary
+    and the same ids ending a sequence (the API checks the tokenizers: api/extra_models.py)."""
+    eos = eos_token_ids(runner.model, tokenizer)
+    refusals: dict[str, str | None] = {}
+    for name, extra in companions.items():
+        theirs = eos_token_ids(extra.model, tokenizer)
+        if runner.encoder_decoder:
+            refusals[name] = "the served model is an encoder-decoder model"
+        elif extra.vocab_size != runner.vocab_size:
+            refusals[name] = (
+                f"it scores {extra.vocab_size} tokens and the served model {runner.vocab_size}"
+            )
+        elif theirs != eos:
+            refusals[name] = (
+                f"its sequences end at token ids {sorted(theirs)}, the served model's at "
+                f"{sorted(eos)}"
+            )
+        else:
+            refusals[name] = None
+    return refusals
 
 
 def check_target_lm_positions(runner: ModelRunner, companions: dict[str, ModelRunner]) -> None:

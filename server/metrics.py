@@ -10,31 +10,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-from decoding.params import STRATEGIES
+from server.request_metrics import (  # noqa: F401 - FAILURE_REASONS, FINISHED_REASONS: here too
+    FAILURE_REASONS,
+    FINISHED_REASONS,
+    LATENCY_BUCKETS,
+    PREFIX,
+    TOKEN_BUCKETS,
+    UNKNOWN_STRATEGY,
+    RequestMetrics,
+    check_label,
+)
 
-FAILURE_REASONS = ("validation", "aborted", "overloaded", "internal")
-FINISHED_REASONS = ("stop", "length", "no_legal_token")  # engine reasons (decoding/constraints.py)
-UNKNOWN_STRATEGY = "unknown"  # a failure before the request was parsed
-
-# 1 ms (a CPU decode step of a tiny model) up to 10 min (a long beam search behind a queue).
-LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0,
-)  # fmt: skip
 MASK_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0,
 )  # fmt: skip
-TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))  # 1 .. 32768 tokens
 # seconds of work per second of audio: 0.005 (a GPU's batch) to 10 (a CPU behind a queue)
 REAL_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 AUDIO_TASKS = ("transcribe", "translate")
 
-PREFIX = "beamline:"
 # The Gateway API Inference Extension's model-server protocol: its Endpoint Picker reads these
 # gauges, by default under vLLM's names. They are served under those names too (only these: the
 # rest of the metrics are not doubled), next to beamline's own.
@@ -45,15 +44,12 @@ CACHE_CONFIG_INFO = PROTOCOL_PREFIX + "cache_config_info"
 LORA_REQUESTS_INFO = PROTOCOL_PREFIX + "lora_requests_info"
 
 
-def _check(value: str, allowed: Sequence[str], what: str) -> None:
-    if value not in allowed:
-        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
-
-
 class Metrics:
-    """All metrics of one served model; the engine calls the `record_*`/`observe_*` methods."""
+    """All metrics of one server; the engine calls the `record_*`/`observe_*` methods. Requests
+    are counted per model (`model_name`: the served model's, or an extra model's that requests
+    name); the engine's own state (batch, KV cache, speculation) under the served model's."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, extra_models: Sequence[str] = ()) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         m = (model_name,)
@@ -99,22 +95,7 @@ class Metrics:
         self._iteration_tokens = histogram(
             "iteration_tokens", "Tokens processed per engine step.", TOKEN_BUCKETS
         )
-        self._request_prompt = histogram(
-            "request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS
-        )
-        self._request_generation = histogram(
-            "request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS
-        )
-        self._ttft = histogram("time_to_first_token_seconds", "Time to first token.")
-        self._itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.")
-        self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
-        self._queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
-        self._prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.").labels(*m)
-        self._generation_tokens = counter("generation_tokens", "Tokens generated.").labels(*m)
-        self._success = counter(
-            "request_success", "Finished requests.", "finished_reason", "strategy"
-        )
-        self._failure = counter("request_failure", "Failed requests.", "reason", "strategy")
+        self._requests = RequestMetrics(self.registry, (model_name, *extra_models))
         self._prefix_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         ).labels(*m)
@@ -158,13 +139,6 @@ class Metrics:
         )
         for task in AUDIO_TASKS:
             self._audio_seconds.labels(model_name, task)
-        # Expose every label combination at 0 from the start, so rate() sees the first event.
-        for strategy in STRATEGIES:
-            for finished in FINISHED_REASONS:
-                self._success.labels(model_name, finished, strategy)
-        for strategy_label in (*STRATEGIES, UNKNOWN_STRATEGY):
-            for reason in FAILURE_REASONS:
-                self._failure.labels(model_name, reason, strategy_label)
 
     def set_scheduler_state(self, *, running: int, waiting: int, kv_cache_usage: float) -> None:
         if not 0.0 <= kv_cache_usage <= 1.0:
@@ -229,30 +203,16 @@ class Metrics:
     def record_preemptions(self, n: int = 1) -> None:
         self._preemptions.inc(n)
 
-    def record_first_token(self, ttft_s: float) -> None:
-        self._ttft.observe(ttft_s)
+    def record_first_token(self, ttft_s: float, model: str | None = None) -> None:
+        self._requests.of(model).ttft.observe(ttft_s)
 
-    def record_inter_token(self, itl_s: float) -> None:
-        self._itl.observe(itl_s)
+    def record_inter_token(self, itl_s: float, model: str | None = None) -> None:
+        self._requests.of(model).itl.observe(itl_s)
 
-    def record_request_success(
-        self,
-        *,
-        strategy: str,
-        finished_reason: str,
-        prompt_tokens: int,
-        generation_tokens: int,
-        queue_time_s: float,
-        e2e_s: float,
-    ) -> None:
-        _check(strategy, STRATEGIES, "strategy")
-        _check(finished_reason, FINISHED_REASONS, "finished_reason")
-        self._success.labels(self.model_name, finished_reason, strategy).inc()
-        self._add_tokens(prompt_tokens, generation_tokens)
-        self._request_prompt.observe(prompt_tokens)
-        self._request_generation.observe(generation_tokens)
-        self._queue_time.observe(queue_time_s)
-        self._e2e.observe(e2e_s)
+    def record_request_success(self, *, model: str | None = None, **finished: Any) -> None:
+        """A request of `model` (None: the served model) finished: `finished` holds
+        RequestMetrics.success's fields (strategy, finished_reason, tokens, times)."""
+        self._requests.success(model, **finished)
 
     def record_request_failure(
         self,
@@ -261,12 +221,10 @@ class Metrics:
         strategy: str = UNKNOWN_STRATEGY,
         prompt_tokens: int = 0,
         generation_tokens: int = 0,
+        model: str | None = None,
     ) -> None:
         """Count a failed request; the tokens it already cost still count as work done."""
-        _check(reason, FAILURE_REASONS, "failure reason")
-        _check(strategy, (*STRATEGIES, UNKNOWN_STRATEGY), "strategy")
-        self._failure.labels(self.model_name, reason, strategy).inc()
-        self._add_tokens(prompt_tokens, generation_tokens)
+        self._requests.failure(model, reason, strategy, prompt_tokens, generation_tokens)
 
     def record_prefix_cache(self, *, queries: int, hits: int) -> None:
         if not 0 <= hits <= queries:
@@ -287,7 +245,7 @@ class Metrics:
 
     def record_audio(self, *, task: str, audio_s: float, elapsed_s: float) -> None:
         """An upload's transcript done: its audio's seconds, the seconds it took."""
-        _check(task, AUDIO_TASKS, "task")
+        check_label(task, AUDIO_TASKS, "task")
         self._audio_seconds.labels(self.model_name, task).inc(audio_s)
         if audio_s > 0:
             self._real_time.observe(elapsed_s / audio_s)
@@ -295,7 +253,3 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """Body and content type of the Prometheus text exposition, for `GET /metrics`."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-    def _add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
-        self._prompt_tokens.inc(prompt_tokens)
-        self._generation_tokens.inc(generation_tokens)

@@ -28,6 +28,7 @@ class StubRequest:
     priority: int = 0
     cache_salt: str | None = None
     companion: str | None = None  # no LM fusion
+    model: str | None = None  # the served model
     adapter: object | None = None  # no LoRA adapter
     adapter_key: str | None = None
     lora_slot: int = NO_ADAPTER
@@ -80,16 +81,17 @@ def submit(
     request_id: str,
     prompt_ids: list[int],
     params: DecodingParams,
-    adapter: str | None = None,
+    model: str | None = None,
     source_len: int = 0,
 ) -> Collected:
-    """`adapter`: the name of a LoRA adapter the engine serves (None: the base model);
+    """`model`: the name of a LoRA adapter or an extra model the engine serves (None: the
+    served model);
     `source_len`: an encoder-decoder request's source, the prompt's first ids."""
     got = Collected()
     request = EngineRequest(
         request_id, list(prompt_ids), params, got.outputs.append, source_len=source_len
     )
-    request.adapter_name = adapter
+    request.model_name = model
     engine.submit(request)
     return got
 

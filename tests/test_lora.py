@@ -164,7 +164,7 @@ def test_adapters_and_the_base_mixed_in_one_batch_equal_their_solo_runs(
     for _ in range(10_000):
         if not engine.step():
             break
-        held = {r.adapter_name for r in engine.scheduler.running if r.adapter_name}
+        held = {r.model_name for r in engine.scheduler.running if r.model_name}
         assert len(held) <= 2  # never more adapters running than slots
         running_adapters |= held
     assert running_adapters == set(ADAPTERS)

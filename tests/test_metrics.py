@@ -7,7 +7,8 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.metrics import FAILURE_REASONS, FINISHED_REASONS, STRATEGIES, Metrics
+from decoding.params import STRATEGIES
+from server.metrics import FAILURE_REASONS, FINISHED_REASONS, Metrics
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -77,6 +78,32 @@ def test_every_label_combination_is_exposed_from_the_start() -> None:
     assert len(s["beamline:request_success_total"]) == len(STRATEGIES) * len(FINISHED_REASONS)
     assert len(s["beamline:request_failure_total"]) == (len(STRATEGIES) + 1) * len(FAILURE_REASONS)
     assert value(s, "beamline:generation_tokens_total") == 0
+
+
+def test_requests_count_under_the_model_that_answered_them() -> None:
+    """An extra model that answers requests has its own per-request series from the start; the
+    engine's gauges stay under the served model's name; an unknown model name is refused."""
+    m = Metrics("tiny", ["second"])
+    done = dict(finished_reason="length", prompt_tokens=4, queue_time_s=0.1, e2e_s=1.0)
+    m.record_request_success(strategy="greedy", generation_tokens=7, model="second", **done)
+    m.record_request_success(strategy="greedy", generation_tokens=2, **done)
+    m.record_request_failure(reason="aborted", generation_tokens=3, model="second")
+    m.record_first_token(0.5, "second")
+    m.observe_step(num_tokens=4, batch_size=2)
+    s = scrape(m)
+    second = {"model_name": "second"}
+    assert value(s, "beamline:generation_tokens_total", **second) == 10
+    assert value(s, "beamline:generation_tokens_total") == 2
+    finished = dict(finished_reason="length", strategy="greedy")
+    assert value(s, "beamline:request_success_total", **second, **finished) == 1
+    assert value(s, "beamline:request_failure_total", **second, reason="aborted",
+                 strategy="unknown") == 1  # fmt: skip
+    assert value(s, "beamline:time_to_first_token_seconds_count", **second) == 1
+    assert value(s, "beamline:time_to_first_token_seconds_count") == 0
+    assert len(s["beamline:request_success_total"]) == 2 * len(STRATEGIES) * len(FINISHED_REASONS)
+    assert list(s["beamline:batch_size"]) == [(("model_name", "tiny"),)]
+    with pytest.raises(ValueError, match="unknown model 'third'"):
+        m.record_first_token(0.5, "third")
 
 
 def test_gauges(metrics: Metrics) -> None:

@@ -52,9 +52,12 @@ def fusion_models(
     return models
 
 
-def lm_fusion_params(models: FusionModels, field: LMFusionField | None) -> LMFusion | None:
+def lm_fusion_params(
+    models: FusionModels, field: LMFusionField | None, model: str | None = None
+) -> LMFusion | None:
     """The request's `lm_fusion` as decoding's LMFusion; a 400 naming `lm_fusion.model` when it
-    names no extra model of this server, or one with another vocabulary."""
+    names no extra model of this server, one with another vocabulary, or the request's own
+    `model`."""
     if field is None:
         return None
     if field.model not in models:
@@ -64,6 +67,13 @@ def lm_fusion_params(models: FusionModels, field: LMFusionField | None) -> LMFus
             f"models: {served}; `beamline serve --extra-models NAME=SOURCE` loads one)",
             "lm_fusion.model",
             "model_not_found",
+        )
+    if field.model == model:
+        raise bad_request(
+            f"lm_fusion.model {field.model!r} is the model the request names: a model is not "
+            "fused with itself",
+            "lm_fusion.model",
+            "invalid_value",
         )
     if (why := models[field.model]) is not None:
         raise bad_request(

@@ -33,10 +33,11 @@ def install_lora_routes(app: FastAPI, require: Callable[[], ServingContext]) -> 
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         ctx = require()
         name = body.lora_name
-        if name == ctx.model_name:
+        if name == ctx.model_name or name in ctx.named_models:
+            whose = "the served model's" if name == ctx.model_name else "an extra model's"
             raise APIError(
                 400,
-                f"a LoRA adapter may not be named {name!r}: that is the served model's name",
+                f"a LoRA adapter may not be named {name!r}: that is {whose} name",
                 param="lora_name",
                 code="invalid_value",
             )

@@ -40,7 +40,8 @@ class ModelList(BaseModel):
 
 
 def model_list(ctx: ServingContext) -> ModelList:
-    """The served model, then each LoRA adapter (by name, its `parent` the served model)."""
+    """The served model, each extra model requests may name (with its own sampling defaults),
+    then each LoRA adapter (by name, its `parent` the served model)."""
     cfg = ctx.config
     limits = ServerLimits(**{name: getattr(cfg, name) for name in ServerLimits.model_fields})
     base = ModelCard(
@@ -54,4 +55,15 @@ def model_list(ctx: ServingContext) -> ModelList:
         base.model_copy(update={"id": name, "root": source, "parent": ctx.model_name})
         for name, source in sorted(ctx.engine.adapter_names().items())
     ]
-    return ModelList(data=[base, *adapters])
+    extra = [
+        base.model_copy(
+            update={
+                "id": name,
+                "root": named.source,
+                "sampling_defaults": ctx.sampling_defaults_of(name),
+            }
+        )
+        for name, named in ctx.named_models.items()
+        if named.refusal is None
+    ]
+    return ModelList(data=[base, *extra, *adapters])

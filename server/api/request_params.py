@@ -85,7 +85,7 @@ def decoding_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids else None,
-        lm_fusion=lm_fusion_params(ctx.fusion_models, req.lm_fusion),
+        lm_fusion=lm_fusion_params(ctx.fusion_models, req.lm_fusion, req.model),
     )
     check_vocab(params, ctx.vocab_size)
     _check_fits_kv_pool(ctx, params, prompt_len, max_tokens_param)
@@ -98,7 +98,8 @@ def _request_values(ctx: ServingContext, req: Request) -> dict[str, Any]:
     and vLLM's `use_beam_search` as beam search of width n (greedy at n 1)."""
     values = {name: getattr(req, name) for name in PASSED_AS_IS}
     given = req.model_fields_set
-    values.update({k: v for k, v in ctx.sampling_defaults.items() if k not in given})
+    defaults = ctx.sampling_defaults_of(req.model)
+    values.update({k: v for k, v in defaults.items() if k not in given})
     if req.use_beam_search:
         if "num_beams" not in given:
             values["num_beams"] = req.n

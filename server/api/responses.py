@@ -34,7 +34,7 @@ def _engine_outputs(
         job.prompt_ids,
         job.params,
         job.grammar,
-        job.adapter,
+        job.model,
         job.source_len,
         job.source_features,
     )

@@ -39,14 +39,24 @@ GUIDED_FIELDS = {
 
 # ---- request -> engine inputs ------------------------------------------------------------------
 def check_model(ctx: ServingContext, model: str | None) -> str | None:
-    """The LoRA adapter `model` names (None: the base model, or no model given); 404 when it
-    names neither the served model nor an adapter."""
+    """The name the engine runs the request with: a LoRA adapter or an extra model `model` names
+    (None: the served model, or no model given); 404 when it names none of them, 400 when it
+    names an extra model that cannot serve requests (named_models.py)."""
     if model is None or model == ctx.model_name:
         return None
+    named = ctx.named_models.get(model)
+    if named is not None and named.refusal is not None:
+        raise APIError(
+            400,
+            f"model {model!r} is loaded on this server but cannot serve requests: {named.refusal}",
+            param="model",
+            code="model_not_supported",
+        )
     adapters = ctx.engine.adapter_names()
-    if model in adapters:
+    if named is not None or model in adapters:
         return model
-    served = ", ".join(repr(m) for m in [ctx.model_name, *sorted(adapters)])
+    servable = [name for name, m in ctx.named_models.items() if m.refusal is None]
+    served = ", ".join(repr(m) for m in [ctx.model_name, *servable, *sorted(adapters)])
     raise APIError(
         404,
         f"model {model!r} does not exist; this server serves {served}",
@@ -56,8 +66,9 @@ def check_model(ctx: ServingContext, model: str | None) -> str | None:
 
 
 def reported_model(ctx: ServingContext, job: Job) -> str:
-    """The `model` a response names: the adapter the request ran with, else the served model."""
-    return job.adapter or ctx.model_name
+    """The `model` a response names: the adapter or extra model the request ran with, else the
+    served model."""
+    return job.model or ctx.model_name
 
 
 def tokenize_prompt(
@@ -87,7 +98,7 @@ class Job:
     echo_logprobs: int | None = None  # completions with echo + logprobs k: the prompt's, top k
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k, sent as its own field
     return_token_ids: bool = False  # vLLM's: prompt and output token ids in the response
-    adapter: str | None = None  # the LoRA adapter it runs with (the request's `model`)
+    model: str | None = None  # the LoRA adapter or extra model it runs with (its `model`)
     source_len: int = 0  # an encoder-decoder model's source: the prompt's first ids
     source_features: torch.Tensor | None = None  # a speech model's window (server/audio/)
 
@@ -98,7 +109,7 @@ class Job:
 
 
 def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
-    adapter = check_model(ctx, req.model)
+    model = check_model(ctx, req.model)
     if ctx.speech is not None:
         refuse_text()
     if req.suffix:
@@ -149,7 +160,7 @@ def completion_jobs(ctx: ServingContext, req: CompletionRequest) -> list[Job]:
         job.echo_logprobs = req.logprobs if req.echo else None
         job.prompt_logprobs = req.prompt_logprobs
         job.return_token_ids = req.return_token_ids
-        job.adapter = adapter
+        job.model = model
         job.source_len = source_len
         jobs.append(job)
     return jobs
@@ -232,7 +243,7 @@ def _echo_text(ctx: ServingContext, prompt: str | list[int], ids: list[int]) -> 
 
 
 def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
-    adapter = check_model(ctx, req.model)
+    model = check_model(ctx, req.model)
     if ctx.speech is not None:
         refuse_text()
     if ctx.encoder_decoder is not None:
@@ -264,7 +275,7 @@ def chat_job(ctx: ServingContext, req: ChatCompletionRequest) -> Job:
         tool_plan=plan if plan.tools else None,
         prompt_logprobs=req.prompt_logprobs,
         return_token_ids=req.return_token_ids,
-        adapter=adapter,
+        model=model,
     )
 
 

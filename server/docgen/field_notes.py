@@ -9,7 +9,8 @@ has a note (here or in extension_fields.py) and every note names a field that ex
 from __future__ import annotations
 
 NOTES: dict[str, str] = {
-    "model": "optional; anything but the served id is a 404",
+    "model": "optional: the served model's id, an extra model's or a LoRA adapter's (another "
+    "is a 404)",
     "prompt": "a string, a list of strings, token ids, or a list of token-id lists (one choice "
     "per prompt, at most `max_prompts_per_request`). A text prompt that already begins with the "
     "model's BOS token gets no second one; token ids run exactly as sent",

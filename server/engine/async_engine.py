@@ -145,13 +145,13 @@ class AsyncEngine:
         prompt_ids: list[int],
         params: DecodingParams,
         grammar: Grammar | None = None,
-        adapter: str | None = None,
+        model: str | None = None,
         source_len: int = 0,
         source_features: torch.Tensor | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished
         (client.stream_outputs); its rows are constrained by `grammar` when given, and run
-        with the LoRA `adapter` of that name when given."""
+        with the LoRA adapter or on the extra model `model` names when given."""
         if not self.alive:
             raise EngineDead("engine is not running")
         loop = asyncio.get_running_loop()
@@ -170,7 +170,7 @@ class AsyncEngine:
             source_len=source_len,
             source_features=source_features,
         )
-        request.adapter_name = adapter
+        request.model_name = model
         self.engine.submit(request)
         async for out in stream_outputs(outputs, lambda: self.engine.abort(request_id)):
             yield out

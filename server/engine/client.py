@@ -78,15 +78,15 @@ class EngineClient(Protocol):
         prompt_ids: list[int],
         params: DecodingParams,
         grammar: Grammar | None = None,
-        adapter: str | None = None,
+        model: str | None = None,
         source_len: int = 0,
         source_features: torch.Tensor | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its outputs until every choice has finished (each row
-        constrained by `grammar`, when given; through the LoRA `adapter` of that name, when
-        given; an encoder-decoder model's prompt is its `source_len` source ids, then the
-        decoder's prompt; a speech model's source ids are placeholders of its audio's
-        `source_features`). Leaving the iteration early aborts the request."""
+        constrained by `grammar`, when given; through the LoRA adapter or on the extra model
+        `model` names, when given; an encoder-decoder model's prompt is its `source_len`
+        source ids, then the decoder's prompt; a speech model's source ids are placeholders of
+        its audio's `source_features`). Leaving the iteration early aborts the request."""
         ...
 
     def adapter_names(self) -> dict[str, str]:

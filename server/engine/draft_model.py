@@ -15,7 +15,8 @@ only as often as the sampled token equals the draft model's likeliest.
 The draft's KV pool has the served model's block ids (as a fused companion's has), so a row's
 draft cache lives in its own blocks: forks, copy-on-write, preemption and freeing hold for it with
 no bookkeeping. Prompts reach it as the served model computes them (`follow`: every prefill chunk
-of a request that is not fused), so prefix-cached blocks carry the draft's keys and values too.
+of a request that is not fused and names no extra model: it drafts for the served model), so
+prefix-cached blocks carry the draft's keys and values too.
 `Sequence.draft_computed` counts the tokens the draft holds; a draft cache that is stale anyway
 (a prefix-cached block written while decoding a beam) costs acceptance, never output.
 """
@@ -56,7 +57,7 @@ class DraftModel:
         for item in items:
             if budget <= 0:
                 break
-            if not can_draft(item):
+            if not can_draft(item) or item.seq.request.model is not None:  # another model's
                 continue
             seq = item.seq
             state = seq.drafts
@@ -151,6 +152,7 @@ class DraftModel:
             if not item.draft
             and (item.num_new > 1 or item.seq.num_computed < item.seq.prompt_len)
             and item.seq.request.params.lm_fusion is None
+            and item.seq.request.model is None
             and r not in deferred
         ]
         if not rows:

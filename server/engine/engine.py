@@ -182,8 +182,8 @@ class Engine:
                 self.endings.end_request(req, "abort")
 
     def _refusal(self, request: EngineRequest) -> str | None:
-        """Why `request` cannot run here (its adapter or its fused model is not loaded), or None."""
-        if (name := request.adapter_name) is None:
+        """Why `request` cannot run here (the model it names or fuses cannot serve it), or None."""
+        if (name := request.model_name) is None or self.companions.serves(request):
             return self.companions.refusal(request)
         if self.lora is None:
             return f"LoRA adapter {name!r} is not loaded"
@@ -219,7 +219,7 @@ class Engine:
             deferred = self._in_flight.inputs(schedule.items) if self._in_flight else None
             released = self.scheduler.take_released()
             plan = self.plans.build(schedule.items, schedule.copies, released, deferred)
-            output = self.companions.fuse(plan, schedule.items, self.runner.execute(plan))
+            output = self.companions.run(self.runner, plan, schedule.items)
             # Overlap: on a GPU the forward above is only queued; the previous step's tokens are
             # read and applied, and its text rendered, while it runs.
             if self._land() and deferred is not None:

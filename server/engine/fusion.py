@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from itertools import accumulate
 from typing import Protocol, cast
 
 import torch
@@ -32,33 +31,21 @@ from decoding.transfer import to_device
 from server.engine.request import EngineRequest
 from server.engine.work import Drafter, WorkItem
 from server.model.runner import ModelRunner
-from server.step_plan import StepOutput, StepPlan, TableEdit
+from server.plan_split import logits_starts, merge_outputs, subset_plan
+from server.step_plan import StepOutput, StepPlan
 
 
 def plan_rows(plan: StepPlan, rows: list[int]) -> StepPlan:
-    """The part of `plan` that runs `rows` (indices into its rows) for a model that runs those
-    alone: their columns, tokens, table edits and source lengths, every release and block copy;
-    nothing scored or encoded, no adapters (fused rows are never deferred)."""
+    """The part of `plan` that runs `rows` (indices into its rows) for a companion that runs
+    them beside the model that serves them: their columns, tokens, table edits and sources,
+    every release and block copy; nothing scored or encoded, no adapters (fused rows are never
+    deferred)."""
     if plan.deferred is not None and set(plan.deferred.rows) & set(rows):
         raise RuntimeError("a fused row's input token was left on the device")
-    index = {r: i for i, r in enumerate(rows)}
-    starts = plan.token_starts()
-    return StepPlan(
-        row_ids=[plan.row_ids[r] for r in rows],
-        starts=[plan.starts[r] for r in rows],
-        num_new=[plan.num_new[r] for r in rows],
-        num_drafts=[plan.num_drafts[r] for r in rows],
-        samples=[plan.samples[r] for r in rows],
-        tokens=[t for r in rows for t in plan.tokens[starts[r] : starts[r] + plan.num_new[r]]],
-        table_edits=[
-            TableEdit(index[e.row], e.keep, e.blocks) for e in plan.table_edits if e.row in index
-        ],
-        released=plan.released,
-        copies=plan.copies,
-        source_lens=None if plan.source_lens is None else [plan.source_lens[r] for r in rows],
-        # a request's rows are all fused or none: its first row is among `rows`
-        source_groups=[index[plan.source_groups[r]] for r in rows] if plan.source_groups else [],
-    )
+    part = subset_plan(plan, rows)[0]
+    part.scores, part.exact, part.exact_logits, part.encodes, part.aligns = [], [], [], [], []
+    part.lora_slots, part.installs, part.ranked = None, [], 0
+    return part
 
 
 class DraftFollower(Drafter, Protocol):
@@ -70,27 +57,44 @@ class DraftFollower(Drafter, Protocol):
 
 
 class Companions:
-    """The companion models by name, and what a step runs through them."""
+    """The extra models by name, and what a step runs through them: the rows of requests that
+    name one, and the companions of fused rows."""
 
     def __init__(
         self,
         runners: Mapping[str, ModelRunner],
         vocab_size: int = 0,
         draft: DraftFollower | None = None,
+        served: Mapping[str, str | None] | None = None,
     ) -> None:
         self.runners = dict(runners)
         self.vocab_size = vocab_size  # the main model's scores per token (0: not checked)
         self.draft = draft  # the extra model that drafts for speculation, if one does
+        # the extra models a request's `model` may name: None, or why it cannot (serving_refusals)
+        self.served = dict(served or {})
+
+    def serves(self, request: EngineRequest) -> bool:
+        """Whether the model `request` names is an extra model; it then runs the request's rows."""
+        if request.model_name not in self.runners:
+            return False
+        request.model = request.model_name
+        return True
 
     def refusal(self, request: EngineRequest) -> str | None:
-        """Why `request` cannot run here (its companion is not loaded, or scores another
-        vocabulary), or None."""
+        """Why `request` cannot run here (it names an extra model that cannot serve it, its
+        companion is not loaded, is the model serving it or scores another vocabulary), or None."""
+        if request.model is not None:
+            why = self.served.get(request.model, "it is loaded to fuse and draft only")
+            if why is not None:
+                return f"model {request.model!r} cannot serve requests on this server: {why}"
         fusion = request.params.lm_fusion
         if fusion is None:
             return None
         runner = self.runners.get(fusion.model)
         if runner is None:
             return f"lm_fusion: model {fusion.model!r} is not loaded on this server"
+        if fusion.model == request.model:
+            return f"lm_fusion: model {fusion.model!r} serves this request: it is not fused twice"
         if self.vocab_size and runner.vocab_size != self.vocab_size:
             return (
                 f"lm_fusion: model {fusion.model!r} scores {runner.vocab_size} tokens and the "
@@ -98,39 +102,66 @@ class Companions:
             )
         return None
 
-    def fuse(self, plan: StepPlan, items: list[WorkItem], output: StepOutput) -> StepOutput:
-        """Run each companion on its fused rows of `plan` (the rows of `items`) and return
-        `output` with those rows' logits fused; releases reach every companion. A draft model
-        follows the step first (draft_model.py)."""
+    def run(self, main: ModelRunner, plan: StepPlan, items: list[WorkItem]) -> StepOutput:
+        """Run the step `plan` of `items`: each row on the model its request names (`main`
+        unless an extra model), then each fused row's companion, whose log-probs are fused into
+        its logits. A draft model follows the step first (draft_model.py). Each model's pool
+        gets the step's block copies once, and its releases."""
         if not self.runners:  # no extra models (most servers): no row is looked at, any step
-            return output
+            return main.execute(plan)
+        ran: set[str] = set()  # the extra models that made the step's copies and releases
         if self.draft is not None:  # first: it makes the step's block copies in its pool
             self.draft.follow(plan, items)
-        return self._fuse(plan, items, output)
+            ran.add(self.draft.name)
+        return self._fuse(plan, items, self._serve(main, plan, items, ran), ran)
+
+    def _serve(
+        self, main: ModelRunner, plan: StepPlan, items: list[WorkItem], ran: set[str]
+    ) -> StepOutput:
+        main_rows: list[int] = []
+        by_model: dict[str, list[int]] = {}
+        for r, item in enumerate(items):
+            name = item.seq.request.model
+            (main_rows if name is None else by_model.setdefault(name, [])).append(r)
+        if not by_model:  # the served model's rows alone: the plan as it is
+            return main.execute(plan)
+        part, logits_rows = subset_plan(plan, main_rows)  # its installs, even with no rows
+        parts = [(main_rows, logits_rows, main.execute(part))]
+        for name, rows in by_model.items():
+            part, logits_rows = subset_plan(plan, rows)
+            part.lora_slots, part.installs = None, []  # adapters are the served model's
+            if name in ran:
+                part.copies = []
+            ran.add(name)
+            parts.append((rows, logits_rows, self.runners[name].execute(part)))
+        return merge_outputs(logits_starts(plan)[-1], parts)
 
     @torch.inference_mode()  # the logits are inference tensors: fused in place
-    def _fuse(self, plan: StepPlan, items: list[WorkItem], output: StepOutput) -> StepOutput:
+    def _fuse(
+        self, plan: StepPlan, items: list[WorkItem], output: StepOutput, ran: set[str]
+    ) -> StepOutput:
         fused: dict[str, list[int]] = {}
         for r, item in enumerate(items):
             if (fusion := item.seq.request.params.lm_fusion) is not None:
                 fused.setdefault(fusion.model, []).append(r)
         for name, runner in self.runners.items():
-            if name not in fused and plan.released:  # forgotten now, as the main model does
+            if name not in fused and name not in ran and plan.released:  # forgotten now
                 runner.rows.apply(StepPlan(released=plan.released))
         if not fused:
             return output
-        logits_rows = [0, *accumulate((1 + d) * s for d, s in zip(plan.num_drafts, plan.samples))]
+        first_logits = logits_starts(plan)
         rows: list[int] = []  # the fused rows' logits rows, companion by companion
         fusions: list[LMFusion] = []
         parts: list[torch.Tensor] = []
         for name, indices in fused.items():
             part = plan_rows(plan, indices)
-            if self.draft is not None and name == self.draft.name:  # copies made: not twice
+            if name in ran:  # copies made: not twice
                 part.copies = []
+            ran.add(name)
             parts.append(self.runners[name].execute(part).logits)
             for r in indices:
                 if plan.samples[r]:
-                    rows.append(logits_rows[r])
+                    rows.append(first_logits[r])
                     fusions.append(cast(LMFusion, items[r].seq.request.params.lm_fusion))
         if not rows:  # prefill chunks alone: the companions' caches were filled
             return output

@@ -25,7 +25,7 @@ class EngineLoRA:
     def resolve(self, request: EngineRequest, metrics: Metrics | None = None) -> str | None:
         """Give `request` its adapter's weights (counted in `metrics`); None, or why it cannot
         run (no such adapter, or its files can no longer be read)."""
-        name = request.adapter_name
+        name = request.model_name
         assert name is not None
         try:
             request.adapter = self.registry.resolve(name)
@@ -48,7 +48,7 @@ class EngineLoRA:
         return installs
 
     def _publish(self, waiting: Iterable[EngineRequest], metrics: Metrics) -> None:
-        queued = sorted({r.adapter_name for r in waiting if r.adapter_name})
+        queued = sorted({r.model_name for r in waiting if r.model_name and r.adapter})
         state = (self.slots.running_names(), queued)
         if state != self._published:
             self._published = state

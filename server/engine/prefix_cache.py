@@ -31,6 +31,7 @@ def root_hash(
     source: Tokens[int] = (),
     exact: bool = False,
     companion: str | None = None,
+    model: str | None = None,
 ) -> bytes:
     """The parent of a sequence's first block: ROOT_HASH (no salt, the base model), or the
     hash of its request's salt, adapter, source and precision. An encoder-decoder row's first
@@ -38,8 +39,10 @@ def root_hash(
     both ways: a block is the same only under the same whole source, not the same leading
     tokens. A prompt that scores runs at full precision under an int8 format: its blocks are
     not another request's. A fused request's blocks hold its `companion` model's keys and values
-    too (engine/fusion.py): they are shared only with requests fused with the same companion."""
-    if cache_salt is None and adapter_key is None and not source and not exact and not companion:
+    too (engine/fusion.py): they are shared only with requests fused with the same companion. A
+    request that names an extra `model` has that model's keys and values in its blocks alone."""
+    named = (cache_salt, adapter_key, companion, model)
+    if all(n is None for n in named) and not source and not exact:
         return ROOT_HASH
     parts = b"\x00exact" if exact else b""
     if cache_salt is not None:
@@ -50,6 +53,8 @@ def root_hash(
         parts += b"\x00source:%d:" % len(source) + array("q", source).tobytes()
     if companion is not None:
         parts += b"\x00lm_fusion:%d:" % len(companion) + companion.encode()
+    if model is not None:
+        parts += b"\x00model:%d:" % len(model) + model.encode()
     return hashlib.sha256(parts).digest()
 
 
@@ -78,6 +83,7 @@ class PrefixCache:
                     req.prompt_ids[: req.source_len] if req.source_len else (),
                     req.scores_prompt,
                     req.companion,
+                    req.model,
                 )
             )
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))

@@ -234,7 +234,10 @@ class EngineRequest:
     generated_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache when it was first scheduled
     finished: bool = False
-    adapter_name: str | None = None  # the LoRA adapter the client asked for (its `model`)
+    # the model the client's `model` names when not the served one: a LoRA adapter, or an extra
+    # model (then `model`, once admitted: the extra model that runs its rows; engine/fusion.py)
+    model_name: str | None = None
+    model: str | None = None
     adapter: ResolvedAdapter | None = None  # its weights, once admitted (engine._drain_inbox)
     lora_slot: int = NO_ADAPTER  # the device slot its adapter occupies while it runs
     # an encoder-decoder request: its prompt is the source's ids, then the decoder's first

@@ -156,9 +156,9 @@ class StatsRecorder:
         self.stats.tokens_generated += count
         if self.metrics is not None:
             if req.first_token_time is None:
-                self.metrics.record_first_token(now - req.arrival_time)
+                self.metrics.record_first_token(now - req.arrival_time, req.model)
             elif req.last_token_time is not None:
-                self.metrics.record_inter_token(now - req.last_token_time)
+                self.metrics.record_inter_token(now - req.last_token_time, req.model)
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
 
@@ -197,6 +197,7 @@ class StatsRecorder:
                 generation_tokens=generated,
                 queue_time_s=queue_s,
                 e2e_s=e2e_s,
+                model=req.model,
             )
         else:
             self.metrics.record_request_failure(
@@ -204,6 +205,7 @@ class StatsRecorder:
                 strategy=strategy,
                 prompt_tokens=prompt_tokens,
                 generation_tokens=generated,
+                model=req.model,
             )
 
     def drafts(self, drafted: int, accepted: int) -> None:

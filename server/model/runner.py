@@ -100,9 +100,7 @@ class ModelRunner:
         if tp and cuda_graphs:  # NCCL inside a graph capture is not verified on a GPU yet
             log.warning("tensor parallelism is on: decode steps run without CUDA graphs")
             cuda_graphs = False
-        self.device = device
-        self.dtype = dtype
-        self.quantization = quantization
+        self.device, self.dtype, self.quantization = device, dtype, quantization
         self.block_size = block_size
         self.attention_backend = pick_attention_backend(attention_backend, device, compile_decode)
         self.config = text_config(model_dir)
@@ -281,6 +279,8 @@ class ModelRunner:
             self.lora.install(install)
         tables = self.rows.apply(plan)
         self.kv_cache.copy_blocks(plan.copies)
+        if not plan.row_ids:  # this model runs none of the step's rows (engine/fusion.py)
+            return StepOutput(torch.empty((0, self.vocab_size), device=self.device))
         adapters = self.lora.applied(plan) if self.lora else contextlib.nullcontext()
         with self.decode_step.clock.forward(), adapters:  # the clock: background_compile.py
             return self._execute(plan, tables)

@@ -171,7 +171,7 @@ class EngineProcessClient:
         prompt_ids: list[int],
         params: DecodingParams,
         grammar: Grammar | None = None,
-        adapter: str | None = None,
+        model: str | None = None,
         source_len: int = 0,
         source_features: torch.Tensor | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
@@ -192,7 +192,7 @@ class EngineProcessClient:
                 params,
                 trace_id,
                 spec,
-                adapter,
+                model,
                 source_len,
                 source_features,
             )

@@ -24,7 +24,7 @@ class Submit:
     params: DecodingParams
     trace_id: str | None = None  # the client's X-Request-Id, for the engine's log lines
     grammar: GrammarSpec | None = None  # compiled again (and cached) in the engine process
-    adapter: str | None = None  # the LoRA adapter's name
+    model: str | None = None  # a LoRA adapter's or an extra model's name (its `model`)
     source_len: int = 0  # an encoder-decoder model's source: the prompt's first ids
     source_features: torch.Tensor | None = None  # a speech model's audio (its source's)
 

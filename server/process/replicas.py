@@ -203,7 +203,7 @@ class ReplicatedEngine:
         prompt_ids: list[int],
         params: DecodingParams,
         grammar: Grammar | None = None,
-        adapter: str | None = None,
+        model: str | None = None,
         source_len: int = 0,
         source_features: torch.Tensor | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
@@ -214,7 +214,7 @@ class ReplicatedEngine:
         try:
             copy = self.copies[index]
             async for out in copy.generate(
-                request_id, prompt_ids, params, grammar, adapter, source_len, source_features
+                request_id, prompt_ids, params, grammar, model, source_len, source_features
             ):
                 yield out
         finally:

@@ -140,7 +140,7 @@ class EngineLoop:
             source_len=message.source_len,
             source_features=message.source_features,
         )
-        request.adapter_name = message.adapter
+        request.model_name = message.model
         if message.grammar is not None:
             try:
                 request.constraint = self.grammars.get(message.grammar).new_constraint()

@@ -1,0 +1,179 @@
+"""Several models in one engine (engine level): requests that name an extra model run their rows
+on it, in the same steps as the served model's rows. Each request equals its run alone on an
+engine that serves its model (that engine checked against transformers' `generate()`), in one
+busy batch of plain, sampled, beam, constrained and fused requests, with async scheduling and
+with n-gram drafts; a cached prompt of one model is never another's; every block comes back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from decoding import DecodingParams
+from decoding.fusion import LMFusion
+from server.engine.engine import Engine
+from server.engine.fusion import Companions
+from server.plan_split import merge_outputs, subset_plan
+from server.step_plan import DeferredTokens, PlanScore, StepOutput, StepPlan, TableEdit
+from tests.engine_driver import Collected, run_to_completion, submit
+from tests.test_lm_fusion import runner
+from tests.tiny_models import build_tiny_model
+
+PROMPTS = [[1, 45, 97, 20], [1, 300, 12], [1, 7, 7, 7, 8, 9, 100, 200, 33, 7, 8, 9, 100]]
+ALLOWED = tuple(range(0, 400, 3))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("named")
+    return {name: build_tiny_model(root / name, "llama", seed=s) for s, name in enumerate("abc")}
+
+
+def engine(dirs: dict[str, Path], main: str, *extra: str, **options: object) -> Engine:
+    """An engine serving `main` with the `extra` models, each of which requests may name."""
+    runners = {name: runner(dirs[name]) for name in extra}
+    return Engine(
+        runner(dirs[main]),
+        AutoTokenizer.from_pretrained(dirs[main]),
+        max_num_seqs=32,
+        max_num_batched_tokens=16,  # prompts split over steps
+        companions=Companions(runners, served={name: None for name in extra}),
+        **options,  # type: ignore[arg-type]
+    )
+
+
+CASES: list[tuple[str | None, DecodingParams]] = [  # (the model named, or the served one)
+    (None, DecodingParams(max_tokens=9, temperature=0.0)),
+    ("b", DecodingParams(max_tokens=9, temperature=0.0)),
+    ("b", DecodingParams(max_tokens=8, n=3, seed=5)),
+    (None, DecodingParams(max_tokens=8, n=2, seed=5)),
+    ("b", DecodingParams(max_tokens=6, num_beams=3, n=2)),
+    (None, DecodingParams(max_tokens=6, num_beams=2)),
+    ("b", DecodingParams(max_tokens=8, temperature=0.0, allowed_token_ids=ALLOWED)),
+    ("b", DecodingParams(max_tokens=7, temperature=0.0, lm_fusion=LMFusion("c", 0.5))),
+    (None, DecodingParams(max_tokens=7, temperature=0.0, lm_fusion=LMFusion("c", 0.5))),
+    ("b", DecodingParams(max_tokens=7, temperature=0.0, repetition_penalty=1.3)),
+]
+
+
+def tokens(got: Collected) -> list[list[int]]:
+    return [t for _, t, _ in got.choices().values()]
+
+
+def solo(dirs: dict[str, Path], model: str | None, prompt: list[int], params: DecodingParams):
+    """The request alone on an engine that serves its model (`c` beside it, to fuse)."""
+    alone = engine(dirs, model or "a", "c")
+    got = submit(alone, "solo", prompt, params)
+    run_to_completion(alone)
+    return tokens(got)
+
+
+@pytest.fixture(scope="module")
+def solo_runs(dirs: dict[str, Path]) -> list[list[list[int]]]:
+    return [
+        solo(dirs, model, PROMPTS[i % len(PROMPTS)], params)
+        for i, (model, params) in enumerate(CASES)
+    ]
+
+
+def test_the_solo_engine_of_an_extra_model_matches_generate(dirs, solo_runs) -> None:
+    """The reference runs are right: b's greedy request is b's generate()."""
+    hf = AutoModelForCausalLM.from_pretrained(dirs["b"], dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[1]])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=9)
+    assert solo_runs[1] == [out[0, ids.shape[1] :].tolist()]
+    assert solo_runs[1] != solo(dirs, None, PROMPTS[1], CASES[1][1])  # the models differ
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"async_scheduling": True}, {"speculative_tokens": 3}],
+    ids=["plain", "async", "ngram"],
+)
+def test_requests_of_two_models_in_one_batch_equal_their_solo_runs(
+    dirs: dict[str, Path], solo_runs: list[list[list[int]]], options: dict
+) -> None:
+    both = engine(dirs, "a", "b", "c", **options)
+    together = [
+        submit(both, str(i), PROMPTS[i % len(PROMPTS)], params, model)
+        for i, (model, params) in enumerate(CASES)
+    ]
+    steps = 0
+    while both.step():
+        steps += 1
+    assert [tokens(got) for got in together] == solo_runs
+    assert all(t in ALLOWED for t in solo_runs[6][0])
+    assert both.pool.num_free == both.pool.num_blocks
+    assert steps < 80  # one batch: the rows of both models advance in the same steps
+
+
+def test_a_cached_prompt_of_one_model_is_not_another_models(dirs: dict[str, Path]) -> None:
+    both = engine(dirs, "a", "b", "c")
+    greedy = DecodingParams(max_tokens=5, temperature=0.0)
+    prompt = PROMPTS[2]  # three full blocks: cached after the first request
+    first = submit(both, "a", prompt, greedy)
+    run_to_completion(both)
+    second = submit(both, "b", prompt, greedy, "b")
+    run_to_completion(both)
+    assert tokens(first) == solo(dirs, None, prompt, greedy)
+    assert tokens(second) == solo(dirs, "b", prompt, greedy)
+    assert both.stats.prefix_cache_hits == 0
+
+
+def test_a_model_that_cannot_serve_fails_its_request_alone(dirs: dict[str, Path]) -> None:
+    main = runner(dirs["a"])
+    both = Engine(
+        main,
+        AutoTokenizer.from_pretrained(dirs["a"]),
+        companions=Companions(
+            {"b": runner(dirs["b"]), "c": runner(dirs["c"])},
+            served={"b": None, "c": "its sequences end at token ids [9]"},
+        ),
+    )
+    greedy = DecodingParams(max_tokens=4, temperature=0.0)
+    refused = submit(both, "r", PROMPTS[0], greedy, "c")
+    twice = submit(both, "t", PROMPTS[0], DecodingParams(lm_fusion=LMFusion("b", 1.0)), "b")
+    good = submit(both, "g", PROMPTS[0], greedy, "b")
+    run_to_completion(both)
+    assert refused.finish_reason == "error"
+    message = str(refused.outputs[-1].error)
+    assert "'c' cannot serve requests on this server: its sequences end" in message
+    assert twice.finish_reason == "error" and "not fused twice" in str(twice.outputs[-1].error)
+    assert good.finish_reason == "length" and len(tokens(good)[0]) == 4
+
+
+def test_subset_plan_reindexes_a_rows_columns_scores_and_deferred_tokens() -> None:
+    plan = StepPlan(
+        row_ids=[10, 11, 12],
+        starts=[0, 5, 7],
+        num_new=[3, 1, 2],
+        num_drafts=[0, 0, 1],
+        samples=[False, True, True],
+        tokens=[1, 2, 3, 4, 5, 6],
+        table_edits=[TableEdit(0, 0, [1]), TableEdit(2, 1, [9])],
+        released=[4],
+        copies=[(1, 2)],
+        scores=[PlanScore(2, 6, 7, 1, [6])],
+        exact=[2],
+        exact_logits=[1, 2],
+        deferred=DeferredTokens(torch.tensor([7, 8]), [1, 2], [0, 1]),
+    )
+    part, logits_rows = subset_plan(plan, [0, 2])
+    assert part.row_ids == [10, 12] and part.tokens == [1, 2, 3, 5, 6]
+    assert part.table_edits == [TableEdit(0, 0, [1]), TableEdit(1, 1, [9])]
+    assert part.released == [4] and part.copies == [(1, 2)]
+    assert part.scores == [PlanScore(1, 6, 7, 1, [6])] and part.exact == [1]
+    assert logits_rows == [1, 2] and part.exact_logits == [0, 1]
+    assert part.deferred is not None and (part.deferred.rows, part.deferred.sources) == ([1], [1])
+    assert subset_plan(plan, [0])[0].deferred is None
+    merged = merge_outputs(
+        3,
+        [
+            ([1], [0], StepOutput(torch.zeros(1, 4))),
+            ([0, 2], [1, 2], StepOutput(torch.ones(2, 4), scores={1: "scored"})),  # type: ignore[dict-item]
+        ],
+    )
+    assert merged.logits[:, 0].tolist() == [0.0, 1.0, 1.0] and merged.scores == {2: "scored"}
