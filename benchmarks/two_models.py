@@ -55,13 +55,14 @@ def pss_bytes(pid: int) -> int:
 
 @contextlib.contextmanager
 def servers(
-    launches: list[tuple[str | None, list[str]]], log_dir: Path, timeout_s: float
+    launches: list[tuple[str | None, list[str]]], logs: str, timeout_s: float
 ) -> Iterator[list[tuple[str, int]]]:
-    """Start every (model, args) server, one after another; yield their (URL, pid)."""
+    """Start every (model, args) server, one after another, each logging to `logs`-i.log;
+    yield their (URL, pid)."""
     started = []
     try:
         for i, (model, args) in enumerate(launches):
-            proc, url, _ = start_beamline(model, log_dir / f"two-models-{i}.log", args, timeout_s)
+            proc, url, _ = start_beamline(model, Path(f"{logs}-{i}.log"), args, timeout_s)
             started.append((proc, url))
         yield [(url, proc.pid) for proc, url in started]
     finally:
@@ -115,13 +116,13 @@ async def run(args: argparse.Namespace) -> dict:
         second = str(default_gguf_path())
     common = [*FIXED_ARGS, *args.beamline_args.split()]
     one = [(args.model, [*common, "--extra-models", f"second={second}"])]
-    with servers(one, args.out_dir, args.launch_timeout) as urls:
+    with servers(one, str(args.out_dir / "one-server"), args.launch_timeout) as urls:
         name = first_model_id(urls[0][0])
         results = {"one_server": await measure(urls, [name, "second"], args, "one server")}
     share = str(max(1, (os.cpu_count() or 1) // 2))
     for key, extra in (("two_servers", []), ("two_servers_shared_cores", ["--num-threads", share])):
         pair = [(args.model, [*common, *extra]), (second, [*common, *extra])]
-        with servers(pair, args.out_dir, args.launch_timeout) as urls:
+        with servers(pair, str(args.out_dir / key.replace("_", "-")), args.launch_timeout) as urls:
             results[key] = await measure(urls, [], args, key.replace("_", " "))
     summary = {}
     for c in args.concurrency:

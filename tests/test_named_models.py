@@ -6,6 +6,7 @@ with n-gram drafts; a cached prompt of one model is never another's; every block
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from decoding import DecodingParams
 from decoding.fusion import LMFusion
+from decoding.grammar import GrammarCompiler, GrammarSpec
 from server.engine.engine import Engine
 from server.engine.fusion import Companions
+from server.engine.request import EngineRequest
 from server.plan_split import merge_outputs, subset_plan
 from server.step_plan import DeferredTokens, PlanScore, StepOutput, StepPlan, TableEdit
 from tests.engine_driver import Collected, run_to_completion, submit
@@ -56,27 +59,54 @@ CASES: list[tuple[str | None, DecodingParams]] = [  # (the model named, or the s
     ("b", DecodingParams(max_tokens=7, temperature=0.0, lm_fusion=LMFusion("c", 0.5))),
     (None, DecodingParams(max_tokens=7, temperature=0.0, lm_fusion=LMFusion("c", 0.5))),
     ("b", DecodingParams(max_tokens=7, temperature=0.0, repetition_penalty=1.3)),
+    ("b", DecodingParams(max_tokens=40, seed=3)),  # structured (REGEX), sampled
+    (None, DecodingParams(max_tokens=40, num_beams=2)),  # structured, beams
 ]
+REGEX = "(yes|no|maybe)( (yes|no|maybe)){1,3}!"
+STRUCTURED = {len(CASES) - 2, len(CASES) - 1}  # the cases constrained by REGEX
+
+
+def send(engine: Engine, i: int, model: str | None = None) -> Collected:
+    """Submit case `i` (its prompt, its params, REGEX's grammar for a structured case)."""
+    params, prompt = CASES[i][1], PROMPTS[i % len(PROMPTS)]
+    if i not in STRUCTURED:
+        return submit(engine, str(i), prompt, params, model)
+    tok = engine.tokenizer
+    grammar = GrammarCompiler(tok, len(tok), engine.eos_token_ids).compile(
+        GrammarSpec("regex", REGEX)
+    )
+    got = Collected()
+    request = EngineRequest(
+        str(i), prompt, params, got.outputs.append, constraint=grammar.new_constraint()
+    )
+    request.model_name = model
+    engine.submit(request)
+    return got
 
 
 def tokens(got: Collected) -> list[list[int]]:
     return [t for _, t, _ in got.choices().values()]
 
 
-def solo(dirs: dict[str, Path], model: str | None, prompt: list[int], params: DecodingParams):
-    """The request alone on an engine that serves its model (`c` beside it, to fuse)."""
-    alone = engine(dirs, model or "a", "c")
-    got = submit(alone, "solo", prompt, params)
+def solo(dirs: dict[str, Path], i: int) -> list[list[int]]:
+    """Case `i` alone on an engine that serves its model (`c` beside it, to fuse)."""
+    alone = engine(dirs, CASES[i][0] or "a", "c")
+    got = send(alone, i)
+    run_to_completion(alone)
+    return tokens(got)
+
+
+def tokens_of(dirs: dict[str, Path], model: str, prompt: list[int], params: DecodingParams):
+    """A request alone on an engine serving `model`."""
+    alone = engine(dirs, model)
+    got = submit(alone, "alone", prompt, params)
     run_to_completion(alone)
     return tokens(got)
 
 
 @pytest.fixture(scope="module")
 def solo_runs(dirs: dict[str, Path]) -> list[list[list[int]]]:
-    return [
-        solo(dirs, model, PROMPTS[i % len(PROMPTS)], params)
-        for i, (model, params) in enumerate(CASES)
-    ]
+    return [solo(dirs, i) for i in range(len(CASES))]
 
 
 def test_the_solo_engine_of_an_extra_model_matches_generate(dirs, solo_runs) -> None:
@@ -85,7 +115,7 @@ def test_the_solo_engine_of_an_extra_model_matches_generate(dirs, solo_runs) -> 
     ids = torch.tensor([PROMPTS[1]])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=9)
     assert solo_runs[1] == [out[0, ids.shape[1] :].tolist()]
-    assert solo_runs[1] != solo(dirs, None, PROMPTS[1], CASES[1][1])  # the models differ
+    assert solo_runs[1] != tokens_of(dirs, "a", PROMPTS[1], CASES[1][1])  # the models differ
 
 
 @pytest.mark.parametrize(
@@ -97,15 +127,17 @@ def test_requests_of_two_models_in_one_batch_equal_their_solo_runs(
     dirs: dict[str, Path], solo_runs: list[list[list[int]]], options: dict
 ) -> None:
     both = engine(dirs, "a", "b", "c", **options)
-    together = [
-        submit(both, str(i), PROMPTS[i % len(PROMPTS)], params, model)
-        for i, (model, params) in enumerate(CASES)
-    ]
+    together = [send(both, i, model) for i, (model, _) in enumerate(CASES)]
     steps = 0
     while both.step():
         steps += 1
     assert [tokens(got) for got in together] == solo_runs
     assert all(t in ALLOWED for t in solo_runs[6][0])
+    tok = both.tokenizer
+    for i in STRUCTURED:
+        assert all(
+            re.fullmatch(REGEX, tok.decode(row, skip_special_tokens=True)) for row in solo_runs[i]
+        ), solo_runs[i]
     assert both.pool.num_free == both.pool.num_blocks
     assert steps < 80  # one batch: the rows of both models advance in the same steps
 
@@ -118,8 +150,8 @@ def test_a_cached_prompt_of_one_model_is_not_another_models(dirs: dict[str, Path
     run_to_completion(both)
     second = submit(both, "b", prompt, greedy, "b")
     run_to_completion(both)
-    assert tokens(first) == solo(dirs, None, prompt, greedy)
-    assert tokens(second) == solo(dirs, "b", prompt, greedy)
+    assert tokens(first) == tokens_of(dirs, "a", prompt, greedy)
+    assert tokens(second) == tokens_of(dirs, "b", prompt, greedy)
     assert both.stats.prefix_cache_hits == 0
 
 
