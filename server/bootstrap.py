@@ -204,7 +204,7 @@ def _build_serving_context(config: ServerConfig) -> ServingContext:
         loaded = load_engine(config)
         loaded.engine.use_metrics(metrics)
         in_thread = AsyncEngine(loaded.engine)
-        in_thread.start(warm_up=loaded.runner.warm_up)  # compiled and recorded where steps run
+        in_thread.start(warm_up=loaded.warm_up)  # compiled and recorded where steps run
         log.info("engine ready in %.0f s", time.monotonic() - started)
         engine, tokenizer, vocab_size = in_thread, loaded.tokenizer, loaded.runner.vocab_size
         model_dir = loaded.model_dir

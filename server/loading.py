@@ -55,6 +55,13 @@ class LoadedEngine:
     config: ServerConfig  # with the device's defaults applied
     workers: TPWorkers | None = None  # the follower ranks, under tensor parallelism
 
+    def warm_up(self) -> None:
+        """Before serving, in the thread that steps: the served model's decode step, then each
+        extra model's (compiled or started compiling, graphs captured: ModelRunner.warm_up)."""
+        self.runner.warm_up()
+        for extra in self.engine.companions.runners.values():
+            extra.warm_up()
+
     def close(self) -> None:
         """Stop the follower ranks, if any (after the engine's last step)."""
         if self.runner.tp_steps is None or self.workers is None:

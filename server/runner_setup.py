@@ -141,8 +141,10 @@ def build_companions(
     config: ServerConfig, main: ModelRunner, device: torch.device
 ) -> dict[str, ModelRunner]:
     """The extra models, each on a KV pool of the main model's block count (its blocks' ids are
-    the main pool's: engine/fusion.py), eager, in the main model's dtype and int8 format.
-    An encoder-decoder served model's companions run its rows' decoder tokens (TargetLM).
+    the main pool's: engine/fusion.py), in the main model's dtype and int8 format, and beside a
+    decoder-only main model with its decode step: compiled (while serving, on the CPU, as its
+    is), CUDA graphs, attention backend. An encoder-decoder served model's companions run its
+    rows' decoder tokens eagerly (TargetLM).
     ValueError for what cannot be fused yet: an encoder-decoder extra model, tensor
     parallelism. An automatic KV pool on a GPU left room for their weights (extra_weight_bytes)."""
     sources = config.extra_model_sources()
@@ -150,25 +152,50 @@ def build_companions(
         return {}
     if main.tp is not None:
         raise ValueError("extra_models do not run with tensor parallelism yet")
-    companions = {}
+    companions: dict[str, ModelRunner] = {}
     for name, source in sources.items():
         if is_seq2seq(text_config(Path(source))):
             raise ValueError(
                 f"extra model {name!r} is an encoder-decoder model: LM fusion needs a "
                 "decoder-only language model"
             )
-        kind = TargetLM if main.encoder_decoder else ModelRunner  # its rows: a source first
-        companions[name] = kind(
-            Path(source),
-            device=device,
-            dtype=main.dtype,
-            block_size=main.block_size,
-            num_blocks=main.num_blocks,
-            quantization=main.quantization,
-            linear_layout=config.linear_layout,
-        )
+        if main.encoder_decoder:  # its rows: a source first
+            companions[name] = TargetLM(Path(source), **same_pool(config, main, device))
+        else:
+            companions[name] = ModelRunner(
+                Path(source), **same_pool(config, main, device), **same_step(config, main, source)
+            )
         log.info("extra model %s loaded from %s", name, source)
     return companions
+
+
+def same_pool(config: ServerConfig, main: ModelRunner, device: torch.device) -> dict[str, Any]:
+    """An extra model's runner settings that match the main model's: device, dtype, KV pool."""
+    return dict(
+        device=device,
+        dtype=main.dtype,
+        block_size=main.block_size,
+        num_blocks=main.num_blocks,
+        quantization=main.quantization,
+        linear_layout=config.linear_layout,
+    )
+
+
+def same_step(config: ServerConfig, main: ModelRunner, source: str) -> dict[str, Any]:
+    """An extra model's decode step as the main model's: compiled when it is (in a compile
+    process of its own while serving, when the main model's is), CUDA graphs, attention."""
+    compiled = main.compile_decode
+    beside = None
+    if compiled and main.decode_step.job is not None:  # the main model compiles while serving
+        alone = config.model_copy(update={"enable_lora": False})  # adapters: the main model's
+        beside = BackgroundCompile(compile_spec(alone, Path(source), torch.get_num_threads()))
+    return dict(
+        compile_decode=compiled,
+        compile_cache=(config.cache_dir or default_cache_dir()) / "compiled",
+        cuda_graphs=main.graphs is not None,
+        attention_backend=main.attention_backend,
+        compile_while_serving=beside,
+    )
 
 
 def compile_spec(config: ServerConfig, model_dir: Path, threads: int) -> str:

@@ -16,12 +16,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from decoding import DecodingParams
 from decoding.fusion import LMFusion
 from decoding.grammar import GrammarCompiler, GrammarSpec
+from server.config import ServerConfig
 from server.engine.engine import Engine
 from server.engine.fusion import Companions
 from server.engine.request import EngineRequest
 from server.plan_split import merge_outputs, subset_plan
+from server.runner_setup import build_companions, build_runner
 from server.step_plan import DeferredTokens, PlanScore, StepOutput, StepPlan, TableEdit
-from tests.engine_driver import Collected, run_to_completion, submit
+from tests.conftest import make_engine
+from tests.engine_driver import Collected, Counted, run_to_completion, submit
+from tests.lora_adapters import make_adapter
 from tests.test_lm_fusion import runner
 from tests.tiny_models import build_tiny_model
 
@@ -153,6 +157,104 @@ def test_a_cached_prompt_of_one_model_is_not_another_models(dirs: dict[str, Path
     assert tokens(first) == tokens_of(dirs, "a", prompt, greedy)
     assert tokens(second) == tokens_of(dirs, "b", prompt, greedy)
     assert both.stats.prefix_cache_hits == 0
+
+
+def scored(got: Collected) -> list[float]:
+    """The logprobs a request returned: its prompt's, then its tokens'."""
+    prompt = [p.logprob for o in got.outputs for p in o.prompt_logprobs or [] if p is not None]
+    return prompt + [t.logprob for o in got.outputs for t in o.logprobs or []]
+
+
+def test_an_extra_models_logprobs_and_prompt_logprobs_are_its_own(dirs: dict[str, Path]) -> None:
+    """A scored request of an extra model beside the served model's rows: its prompt is scored
+    by the extra model (the plan's scored spans reindexed for its part), as alone."""
+    params = DecodingParams(max_tokens=4, temperature=0.0, logprobs=2, prompt_logprobs=2)
+    plain = DecodingParams(max_tokens=6, temperature=0.0)
+    both = engine(dirs, "a", "b")
+    beside = [submit(both, f"p{i}", PROMPTS[i], plain) for i in range(2)]
+    got = submit(both, "scored", PROMPTS[2], params, "b")
+    run_to_completion(both)
+    alone = {}
+    for model in ("a", "b"):
+        one = engine(dirs, model)
+        alone[model] = submit(one, "scored", PROMPTS[2], params)
+        run_to_completion(one)
+    assert len(scored(got)) == len(PROMPTS[2]) - 1 + 4
+    assert tokens(got) == tokens(alone["b"])
+    assert scored(got) == pytest.approx(scored(alone["b"]), abs=1e-4)
+    assert scored(got) != pytest.approx(scored(alone["a"]), abs=1e-4)
+    want = [tokens_of(dirs, "a", PROMPTS[i], plain) for i in range(2)]
+    assert [tokens(g) for g in beside] == want
+
+
+def test_lora_adapters_and_an_extra_model_share_one_batch(
+    dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Requests through an adapter of the served model, on the served model and on an extra
+    model run together, each as alone; the adapters stay the served model's."""
+    adapter = make_adapter(dirs["a"], tmp_path_factory.mktemp("named_lora") / "qv", r=8,
+                           targets=["q_proj", "v_proj"], seed=0, scale=30.0)  # fmt: skip
+    greedy = DecodingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    jobs = [(PROMPTS[i % 3], name) for i, name in enumerate(["qv", "b", None, "b", "qv", None])]
+
+    def served(main: str, *extra: str) -> Engine:
+        made = make_engine(
+            dirs[main],
+            num_blocks=128,
+            max_loras=1,
+            companions=Companions(
+                {name: runner(dirs[name]) for name in extra}, served={n: None for n in extra}
+            ),
+        )
+        made.load_adapter("qv", str(adapter))
+        return made
+
+    alone = []
+    for prompt, name in jobs:
+        engine_alone = served("b") if name == "b" else served("a")
+        got = submit(engine_alone, "alone", prompt, greedy, None if name == "b" else name)
+        run_to_completion(engine_alone)
+        alone.append(tokens(got))
+    both = served("a", "b")
+    together = [submit(both, str(i), prompt, greedy, name) for i, (prompt, name) in enumerate(jobs)]
+    run_to_completion(both)
+    assert [tokens(got) for got in together] == alone
+    assert alone[0] != alone[2]  # the adapter changes the served model's tokens
+    assert both.pool.num_free == both.pool.num_blocks
+
+
+def test_beside_a_compiled_model_an_extra_model_runs_its_compiled_step(
+    dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """An extra model takes the served model's decode step: compiled (here at warm-up; beside
+    serving on the CPU default, as the served model's), and its tokens are the eager step's."""
+    config = ServerConfig(
+        model=str(dirs["a"]),
+        dtype="float32",
+        torch_compile=True,
+        compile_while_serving=False,
+        cache_dir=tmp_path,
+        num_kv_blocks=128,
+        block_size=4,
+        extra_models=[f"b={dirs['b']}"],
+    )
+    main = build_runner(config, dirs["a"], torch.device("cpu"))
+    extra = build_companions(config, main, torch.device("cpu"))["b"]
+    assert extra.compile_decode and extra.decode_step.compiled is not None
+    extra.warm_up()  # compiles (or reads from the cache) and runs each graph once
+    assert extra.decode_step.state == "compiled"
+    extra.decode_step.run = counted = Counted(extra.decode_step.run)
+    both = Engine(
+        main,
+        AutoTokenizer.from_pretrained(dirs["a"]),
+        max_num_batched_tokens=16,
+        companions=Companions({"b": extra}, served={"b": None}),
+    )
+    greedy = DecodingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = submit(both, "compiled", PROMPTS[1], greedy, "b")
+    run_to_completion(both)
+    assert tokens(got) == tokens_of(dirs, "b", PROMPTS[1], greedy)  # the eager engine's
+    assert counted.calls >= 7  # every decode step after the prompt's
 
 
 def test_a_model_that_cannot_serve_fails_its_request_alone(dirs: dict[str, Path]) -> None:

@@ -25,7 +25,7 @@ class TranscriptionForm(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="the served model's id (another is a 404)")
+    model: str = Field(description="the served model's id (another is refused)")
     language: str | None = Field(
         None, description="the audio's language, ISO-639-1 ('en'); detected when absent"
     )

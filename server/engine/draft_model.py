@@ -139,10 +139,11 @@ class DraftModel:
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan, items: list[WorkItem]) -> None:
-        """After the served model ran `plan` (the step of `items`): the draft model computes the
-        step's prefill chunks too, and forgets the released rows; the step's block copies are
-        made in its pool here unless drafting made them already (they must be made once, before
-        anything writes to the copies: call this before a fused companion runs)."""
+        """In the step of `plan` (of `items`), before any model runs it: the draft model computes
+        the step's prefill chunks of the served model's rows too, and forgets the released
+        rows; the step's block copies are made in its pool here unless drafting made them
+        already (made once, before anything writes to the copies: before its model serves or
+        fuses rows)."""
         copies = [] if plan.copies is self._copied else plan.copies
         self._copied = None
         deferred = set(plan.deferred.rows) if plan.deferred is not None else set()

@@ -1,4 +1,11 @@
-"""LM fusion in the engine: companion models run beside the main model in every step.
+"""Extra models in the engine: they answer the requests that name them, and run beside the main
+model in every step as companions (LM fusion) and drafters.
+
+A request whose `model` names an extra model runs its rows on it (`Companions.serves`): each step
+that holds rows of several models runs each model on its part of the plan (server/plan_split.py)
+and merges their logits back in the step's order, so choosing reads one batch. Such a model must
+read text as the main model does (loading.serving_refusals): one tokenizer, one set of ids that
+end a sequence, one set of sampling tensors serve every row.
 
 A request with `lm_fusion` names a companion (an extra model served as one). Each step, after
 the main model's forward, every companion runs the same plan restricted to the rows of the
@@ -15,7 +22,8 @@ strategy reads. Fused rows take no drafts and are never left in flight (speculat
 in_flight.py): the companion's logits are needed before a token is chosen.
 
 An extra model may also draft for speculation (draft_model.py): it follows every step here,
-before any companion runs, and makes the step's block copies in its pool itself.
+before any model runs, and makes the step's block copies in its pool itself. Every pool gets a
+step's copies once, whichever of drafting, serving and fusing runs in it first.
 """
 
 from __future__ import annotations
@@ -109,6 +117,8 @@ class Companions:
         gets the step's block copies once, and its releases."""
         if not self.runners:  # no extra models (most servers): no row is looked at, any step
             return main.execute(plan)
+        for runner in self.runners.values():  # a step compiled beside serving: from this step
+            runner.decode_step.between_steps()
         ran: set[str] = set()  # the extra models that made the step's copies and releases
         if self.draft is not None:  # first: it makes the step's block copies in its pool
             self.draft.follow(plan, items)

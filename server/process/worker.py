@@ -196,7 +196,7 @@ def run_engine_process(config: ServerConfig, conn: Connection) -> None:
         engine = loaded.engine
         relay = MetricsRelay()
         engine.use_metrics(cast(Metrics, relay))
-        loaded.runner.warm_up()  # compiled and recorded in the thread that steps
+        loaded.warm_up()  # compiled and recorded in the thread that steps
         compiler = ThreadPoolExecutor(1, thread_name_prefix="beamline-grammar").submit(
             build_compiler,
             loaded.tokenizer,
