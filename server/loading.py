@@ -132,7 +132,7 @@ def serving_refusals(
     """Each extra model and why a request's `model` cannot name it (None: it can). It runs such
     a request's rows in the served model's batch, with its tokenizer, its grammars and its
     end-of-sequence ids: a decoder-only model beside a decoder-only one, with the same vocabulary
-    and the same ids ending a sequence (the API checks the tokenizers: api/extra_models.py)."""
+    and the same ids ending a sequence (the API checks the tokenizers: api/named_models.py)."""
     eos = eos_token_ids(runner.model, tokenizer)
     refusals: dict[str, str | None] = {}
     for name, extra in companions.items():
